@@ -1,0 +1,164 @@
+"""One Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2) in plain PyTorch.
+
+Every call names the tokens, their positions, the KV-cache slots they are written to and
+which cache slots each of them may attend to. That one signature serves prefill, one-token
+decode, verification of K+1 tokens and tree decoding of many branches over a shared prefix.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from saguaro.engine.kv_cache import KVCache
+from saguaro.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with the linear or llama3 long-context scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0, 1)
+        scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen < old_ctx / high, inv_freq,
+                               torch.where(wavelen > old_ctx / low, inv_freq / factor, scaled))
+    elif kind != "default":
+        raise NotImplementedError(f"rope scaling {kind!r} is not supported")
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, D]; cos/sin: [B, T, 1, D/2] (rotate-half layout, as in Hugging Face)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x, cos, sin, cache: KVCache, rows, slots, mask) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write(self.layer_idx, rows, slots, k, v, span=mask.shape[-1])
+        # Grouped-query attention without copying K/V: the G query heads sharing one KV head
+        # are stacked along the query axis.
+        G = H // Hkv
+        q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        attn_mask = mask[:, None].expand(B, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
+        out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, rows, slots, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, rows, slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder with an LM head; `forward` returns hidden states, `logits` applies the head.
+
+    Keeping the head separate lets callers pay for it only at the positions they sample from.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                rows: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions: [B, T]. rows: cache rows of the B sequences (default 0..B-1).
+        slots: cache slots written (default: the positions). mask: [B, T, S] bool, which of the
+        first S slots each token attends to (default: causal over slots). Returns [B, T, hidden]."""
+        if slots is None:
+            slots = positions
+        if mask is None:
+            mask = causal_mask(slots)
+        if mask.shape[-1] > cache.num_slots:
+            raise IndexError(f"the KV cache has {cache.num_slots} slots; {mask.shape[-1]} needed")
+        freqs = positions[..., None].float() * self.inv_freq
+        cos, sin = freqs.cos()[:, :, None], freqs.sin()[:, :, None]
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, rows, slots, mask)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def causal_mask(slots: torch.Tensor) -> torch.Tensor:
+    """Each token sees every slot up to its own: right for sequences stored contiguously."""
+    span = int(slots.max()) + 1
+    return torch.arange(span, device=slots.device) <= slots[..., None]

@@ -1,0 +1,183 @@
+"""Loads checkpoints: local Hugging Face folders (safetensors) and GGUF files (dequantized)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from saguaro.models.config import ModelConfig, UnsupportedModelError
+from saguaro.models.llama import LlamaModel, rope_inv_freq
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """No checkpoint at the given path or name."""
+
+
+def checkpoint_files(path: Path) -> tuple[Path, Path | None]:
+    """Returns (folder, gguf file or None) for a GGUF file, a folder with one, or a HF folder."""
+    if not path.exists():
+        raise ModelNotFoundError(f"no model at {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UnsupportedModelError(f"{path} is neither a .gguf file nor a model folder")
+        return path.parent, path
+    if (path / "config.json").exists():
+        return path, None
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return path, ggufs[0]
+    raise ModelNotFoundError(f"{path} has no config.json and no single .gguf file")
+
+
+# --- Hugging Face folders -------------------------------------------------------------------
+
+def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{folder} has no .safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    return config, state
+
+
+# --- GGUF -----------------------------------------------------------------------------------
+
+def _gguf_value(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_hf_config(reader) -> dict:
+    """The GGUF metadata expressed as a Hugging Face config.json dictionary."""
+    arch = _gguf_value(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3", "mistral"):
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}")
+    get = lambda key, default=None: _gguf_value(reader, f"{arch}.{key}", default)  # noqa: E731
+    names = {t.name for t in reader.tensors}
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    vocab = get("vocab_size") or len(_gguf_value(reader, "tokenizer.ggml.tokens"))
+    config = {
+        "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"), "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length", hidden // heads),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+        "max_position_embeddings": get("context_length", 8192),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _gguf_value(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if get("rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    return config
+
+
+def _unpermute_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's reordering of q/k rows (interleaved rope) back to rotate-half order."""
+    rows = weight.shape[0]
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(file))
+    hf_config = gguf_hf_config(reader)
+    config = ModelConfig.from_hf(hf_config)
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        prefix, _, kind = tensor.name.rpartition(".")
+        weight = dequantize(tensor.data, tensor.tensor_type).reshape([int(n) for n in reversed(tensor.shape)])
+        if prefix.startswith("blk."):
+            _, layer, part = prefix.split(".", 2)
+            if part not in _GGUF_LAYER_NAMES:
+                raise UnsupportedModelError(f"unexpected GGUF tensor {tensor.name}")
+            if config.architecture == "llama" and part in ("attn_q", "attn_k"):
+                weight = _unpermute_rope(weight, config.num_heads if part == "attn_q" else config.num_kv_heads)
+            name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+        elif prefix in _GGUF_TOP_NAMES:
+            name = f"{_GGUF_TOP_NAMES[prefix]}.{kind}"
+        else:
+            continue
+        state[name] = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+    return config, state
+
+
+# --- our module ------------------------------------------------------------------------------
+
+def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Maps Hugging Face parameter names onto LlamaModel's fused qkv and gate/up projections."""
+    state = {}
+    for name, value in hf_state.items():
+        name = name.removeprefix("model.")
+        if ".rotary_emb." in name:
+            continue
+        state[name] = value
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            parts = [state.pop(f"{p}self_attn.{n}_proj.{kind}", None) for n in "qkv"]
+            if all(t is not None for t in parts):
+                state[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
+        state[f"{p}mlp.gate_up_proj.weight"] = torch.cat(
+            [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")])
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    return state
+
+
+def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: str | torch.device) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    state = {k: v.to(dtype) for k, v in fuse_hf_state(config, hf_state).items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    folder, gguf_file = checkpoint_files(Path(path))
+    return read_gguf(gguf_file) if gguf_file else read_hf_folder(folder)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> LlamaModel:
+    config, hf_state = read_checkpoint(path)
+    return build_model(config, hf_state, dtype, device)
+
+
+def load_tokenizer(path: str | Path):
+    """A Hugging Face tokenizer, chat template included, from a folder or a GGUF file."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging
+
+    folder, gguf_file = checkpoint_files(Path(path))
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        if gguf_file is not None:
+            return AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file.name)
+        return AutoTokenizer.from_pretrained(str(folder))
+    finally:
+        logging.set_verbosity(verbosity)
