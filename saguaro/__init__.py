@@ -1,0 +1,7 @@
+"""saguaro: exact speculative speculative decoding (SSD) for Llama-family models."""
+from saguaro.engine.sampler import SamplingParams
+from saguaro.llm import LLM
+from saguaro.outputs import RequestMetrics, RequestOutput
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics"]
+__version__ = "0.1.0"

@@ -117,7 +117,7 @@ def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             name = f"{_GGUF_TOP_NAMES[prefix]}.{kind}"
         else:
             continue
-        state[name] = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+        state[name] = torch.from_numpy(np.array(weight, dtype=np.float32))
     return config, state
 
 

@@ -1,0 +1,156 @@
+"""Autoregressive (AR) and synchronous speculative (SD) decoders.
+
+Invariant shared by every decoder: a sequence's target KV cache row holds all its tokens but
+the last one, which is the input of its next target pass. A decoder works on whichever
+sequences it is handed, so a scheduler may add and drop requests between rounds.
+"""
+from __future__ import annotations
+
+import torch
+
+from saguaro.engine.kv_cache import KVCache
+from saguaro.engine.runner import forward_chunks, last_hidden
+from saguaro.engine.sampler import WarpParams, sample, uniforms, warp
+from saguaro.engine.sequence import Sequence
+from saguaro.engine.verify import verify
+from saguaro.models.llama import LlamaModel
+
+
+def new_cache(model: LlamaModel, num_rows: int, num_slots: int) -> KVCache:
+    """A cache with one extra slot per row: the scratch slot that padding writes to."""
+    return KVCache(model.config, num_rows, num_slots + 1, model.dtype, model.device)
+
+
+def sample_next(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    probs = warp(logits, WarpParams.of([s.params for s in seqs], logits.device))
+    u = uniforms([s.generator for s in seqs], 1)[:, 0].to(logits.device)
+    return sample(probs, u).tolist()
+
+
+class ARDecoder:
+    """One target pass per token."""
+
+    def __init__(self, target: LlamaModel):
+        self.target = target
+        self.cache: KVCache | None = None
+        self.rows: dict[int, int] = {}  # seq_id -> cache row
+
+    @property
+    def lookahead(self) -> int:
+        """Slots a round may write past a sequence's committed length."""
+        return 1
+
+    def reserve(self, num_rows: int, num_slots: int) -> None:
+        """Makes room for num_rows sequences of up to num_slots tokens each."""
+        if self.cache is None or self.cache.num_rows < num_rows or self.cache.num_slots <= num_slots:
+            self.cache = new_cache(self.target, num_rows, num_slots)
+
+    def assign_rows(self, seqs: list[Sequence]) -> None:
+        free = sorted(set(range(self.cache.num_rows)) - set(self.rows.values()))
+        for seq in seqs:
+            if not free:
+                raise RuntimeError("no free KV cache row")
+            self.rows[seq.seq_id] = free.pop(0)
+
+    def release(self, seq: Sequence) -> None:
+        self.rows.pop(seq.seq_id, None)
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Runs the prompts and commits each sequence's first token."""
+        self.assign_rows(seqs)
+        chunks = [s.prompt_ids for s in seqs]
+        hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [0] * len(seqs))
+        first = sample_next(self.target.logits(last_hidden(hidden, chunks)), seqs)
+        for seq, token in zip(seqs, first):
+            seq.commit([token])
+
+    def step(self, seqs: list[Sequence]) -> None:
+        chunks = [[s.token_ids[-1]] for s in seqs]
+        hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
+        for seq, token in zip(seqs, sample_next(self.target.logits(hidden[:, 0]), seqs)):
+            seq.commit([token])
+
+    def _rows(self, seqs: list[Sequence]) -> list[int]:
+        return [self.rows[s.seq_id] for s in seqs]
+
+
+class SDDecoder(ARDecoder):
+    """Synchronous speculative decoding: the draft proposes K tokens, the target verifies them
+    in one pass, exact rejection sampling commits accepted + 1 tokens."""
+
+    def __init__(self, target: LlamaModel, draft: LlamaModel, num_speculative_tokens: int):
+        super().__init__(target)
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        self.draft = draft
+        self.k = num_speculative_tokens
+        self.draft_cache: KVCache | None = None
+        self.draft_len: dict[int, int] = {}  # seq_id -> tokens whose KV the draft cache holds
+
+    @property
+    def lookahead(self) -> int:
+        return self.k + 1
+
+    def reserve(self, num_rows: int, num_slots: int) -> None:
+        super().reserve(num_rows, num_slots)
+        cache = self.draft_cache
+        if cache is None or cache.num_rows < num_rows or cache.num_slots <= num_slots:
+            self.draft_cache = new_cache(self.draft, num_rows, num_slots)
+
+    def release(self, seq: Sequence) -> None:
+        super().release(seq)
+        self.draft_len.pop(seq.seq_id, None)
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        super().prefill(seqs)
+        chunks = [s.prompt_ids for s in seqs]
+        forward_chunks(self.draft, self.draft_cache, self._rows(seqs), chunks, [0] * len(seqs))
+        for seq in seqs:
+            self.draft_len[seq.seq_id] = len(seq.prompt_ids)
+
+    def propose(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K draft tokens per sequence [B, K] and the distributions they came from [B, K, V]."""
+        rows = self._rows(seqs)
+        params = WarpParams.of([s.params for s in seqs], self.draft.device)
+        u = uniforms([s.generator for s in seqs], self.k).to(self.draft.device)
+        chunks = [s.token_ids[self.draft_len[s.seq_id]:] for s in seqs]
+        starts = [self.draft_len[s.seq_id] for s in seqs]
+        hidden = last_hidden(forward_chunks(self.draft, self.draft_cache, rows, chunks, starts), chunks)
+        tokens, probs = [], []
+        for i in range(self.k):
+            q = warp(self.draft.logits(hidden), params)
+            token = sample(q, u[:, i])
+            tokens.append(token)
+            probs.append(q)
+            if i < self.k - 1:
+                step = [[t] for t in token.tolist()]
+                hidden = forward_chunks(self.draft, self.draft_cache, rows, step, [len(s) + i for s in seqs])[:, 0]
+        for seq in seqs:
+            self.draft_len[seq.seq_id] = len(seq) + self.k - 1
+        return torch.stack(tokens, 1), torch.stack(probs, 1)
+
+    def step(self, seqs: list[Sequence]) -> None:
+        draft_tokens, draft_probs = self.propose(seqs)
+        self.verify_and_commit(seqs, draft_tokens, draft_probs)
+
+    def verify_and_commit(self, seqs: list[Sequence], draft_tokens: torch.Tensor,
+                          draft_probs: torch.Tensor) -> list[tuple[int, int]]:
+        """One target pass over [last token, drafts]; commits accepted drafts + bonus and
+        returns each sequence's outcome (accepted_len, bonus_token)."""
+        B, K = draft_tokens.shape
+        device = self.target.device
+        chunks = [[s.token_ids[-1]] + d for s, d in zip(seqs, draft_tokens.tolist())]
+        hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
+        params = WarpParams.of([s.params for s in seqs], device).repeat(K + 1)
+        target_probs = warp(self.target.logits(hidden).flatten(0, 1), params).view(B, K + 1, -1)
+        u = uniforms([s.generator for s in seqs], K + 1).to(device)
+        accepted_len, bonus = verify(draft_tokens.to(device), draft_probs.to(device), target_probs,
+                                     u[:, :K], u[:, K])
+        outcomes = list(zip(accepted_len.tolist(), bonus.tolist()))
+        for seq, drafts, (k, bonus_token) in zip(seqs, draft_tokens.tolist(), outcomes):
+            committed_before = len(seq)
+            seq.commit(drafts[:k] + [bonus_token])
+            seq.stats.acceptance_lengths.append(k + 1)
+            if seq.seq_id in self.draft_len:
+                self.draft_len[seq.seq_id] = min(self.draft_len[seq.seq_id], committed_before + k)
+        return outcomes

@@ -1,0 +1,95 @@
+"""Sampling parameters and the warped next-token distributions every decoder samples from.
+
+Greedy rows (temperature 0) get a point mass on the argmax. Verification then needs no
+special case: rejection sampling between two point masses accepts exactly when the argmaxes
+agree and its residual is the target's argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class WarpParams:
+    """Per-row sampling parameters as tensors, built once per batch."""
+    temperature: torch.Tensor  # [N]; 0 means greedy
+    top_k: torch.Tensor  # [N]; <= 0 means off
+    top_p: torch.Tensor  # [N]
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device="cpu") -> "WarpParams":
+        return cls(torch.tensor([p.temperature for p in params], device=device),
+                   torch.tensor([p.top_k for p in params], device=device),
+                   torch.tensor([p.top_p for p in params], device=device))
+
+    def repeat(self, n: int) -> "WarpParams":
+        """Each row's parameters n times in a row (for [B, n, V] logits flattened to [B*n, V])."""
+        return WarpParams(*(t.repeat_interleave(n) for t in (self.temperature, self.top_k, self.top_p)))
+
+
+def warp(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
+    """fp32 logits [N, V] -> the distribution each row samples from, [N, V]."""
+    logits = logits.float()
+    greedy = params.temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
+    if bool((params.top_k > 0).any()) or bool((params.top_p < 1).any()):
+        scaled = _mask_top_k_top_p(scaled, params.top_k, params.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def _mask_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)
+    drop = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(-1) - probs  # keep the smallest prefix whose mass reaches top_p
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+
+
+def uniforms(generators: list[torch.Generator], n: int) -> torch.Tensor:
+    """n uniform numbers in [0, 1) for each row, each row from its own request's generator."""
+    return torch.stack([torch.rand(n, generator=g) for g in generators])
+
+
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per row of probs [N, V] from u [N] in [0, 1).
+    Tokens of probability zero are never chosen."""
+    cdf = probs.cumsum(-1)
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None].to(cdf.dtype), right=True)[:, 0]
+    return tokens.clamp_(max=probs.shape[-1] - 1)

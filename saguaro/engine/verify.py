@@ -1,0 +1,33 @@
+"""Exact verification of drafted tokens (speculative-decoding rejection sampling)."""
+from __future__ import annotations
+
+import torch
+
+from saguaro.engine.sampler import sample
+
+
+def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+           u_accept: torch.Tensor, u_bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepts a prefix of each row's draft and picks the bonus token.
+
+    draft_tokens [B, K]; draft_probs [B, K, V], the distributions the drafts were really
+    sampled from; target_probs [B, K+1, V]; u_accept [B, K], u_bonus [B] uniforms.
+    Token i is accepted with probability min(1, p(x)/q(x)); at the first rejection the bonus
+    comes from norm(max(p - q, 0)), after K acceptances from p at position K+1. The committed
+    tokens are then distributed exactly as sampling from p alone.
+    Returns accepted_len [B] in 0..K and bonus_token [B].
+    """
+    B, K = draft_tokens.shape
+    index = draft_tokens[..., None]
+    p_x = target_probs[:, :K].gather(-1, index)[..., 0]
+    q_x = draft_probs.gather(-1, index)[..., 0]
+    accepted = u_accept * q_x < p_x  # u < p/q without dividing by a zero q
+    accepted_len = accepted.int().cumprod(-1).sum(-1)
+    rows = torch.arange(B, device=draft_tokens.device)
+    p_at = target_probs[rows, accepted_len]
+    q_at = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, accepted_len]
+    residual = (p_at - q_at).clamp_(min=0)
+    # Float round-off can leave an all-zero residual when p == q; p itself is then exact.
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, p_at, residual)
+    return accepted_len, sample(residual, u_bonus)

@@ -1,0 +1,128 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, in the style of vLLM."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence as SequenceABC
+
+import torch
+from tqdm import tqdm
+
+from saguaro.engine.decoders import ARDecoder, SDDecoder
+from saguaro.engine.sampler import SamplingParams
+from saguaro.engine.sequence import Sequence
+from saguaro.models import hub
+from saguaro.models.llama import LlamaModel
+from saguaro.models.loader import load_model, load_tokenizer
+from saguaro.outputs import RequestMetrics, RequestOutput
+
+METHODS = ("ar", "sd")
+Prompt = str | list[dict] | list[int]
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
+    return names[dtype]
+
+
+def check_draft_matches(target: LlamaModel, draft: LlamaModel) -> None:
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) does not match "
+                         f"the target's ({target.config.vocab_size}): they must share a tokenizer")
+
+
+class LLM:
+    def __init__(self, model: str = hub.DEFAULT_MODEL, draft: str | None = None, method: str = "ar",
+                 num_speculative_tokens: int = 5, device: str = "cpu", dtype: str | torch.dtype = "auto",
+                 num_threads: int | None = None):
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.method = method
+        self.dtype = resolve_dtype(dtype)
+        path = hub.resolve(model)
+        self.tokenizer = load_tokenizer(path)
+        self.target = load_model(path, self.dtype, device)
+        self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]
+        self.num_speculative_tokens = num_speculative_tokens if method != "ar" else None
+        if method == "ar":
+            self.decoder = ARDecoder(self.target)
+        else:
+            if draft is None:
+                raise ValueError(f"method {method!r} needs a draft model")
+            self.draft = load_model(hub.resolve(draft), self.dtype, device)
+            check_draft_matches(self.target, self.draft)
+            self.decoder = SDDecoder(self.target, self.draft, num_speculative_tokens)
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt, a chat (list of messages; the chat template is applied)
+        or already tokenized ids."""
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise TypeError("a prompt is a string, a list of chat messages or a list of token ids")
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, on_token: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
+        """Decodes every prompt as one batch; returns one RequestOutput per prompt, in order.
+
+        on_token(index, new_text) is called as text is committed (for streaming)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (dict, int))):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, SequenceABC) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        seqs = [Sequence(next(self._ids), self.encode(p), sp, self.eos_token_ids) for p, sp in zip(prompts, params)]
+        longest = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) + self.decoder.lookahead
+        limit = self.target.config.max_position_embeddings
+        if longest > limit:
+            raise ValueError(f"prompt + max_tokens ({longest} tokens) exceeds the model's context of {limit}")
+        self.decoder.reserve(len(seqs), longest)
+        streamed = [""] * len(seqs)
+        total = sum(s.params.max_tokens for s in seqs)
+        with tqdm(total=total, desc="generating", unit="tok", disable=not use_tqdm) as bar:
+            def after_round(active: list[Sequence]) -> None:
+                for seq in active:
+                    self._stop_strings(seq)
+                    if on_token is not None:
+                        i = seqs.index(seq)
+                        text = self._text(seq)
+                        if len(text) > len(streamed[i]) and text.startswith(streamed[i]):
+                            on_token(i, text[len(streamed[i]):])
+                            streamed[i] = text
+                    if seq.finished:
+                        self.decoder.release(seq)
+                bar.n = sum(s.params.max_tokens if s.finished else len(s.output_ids) for s in seqs)
+                bar.refresh()
+
+            self.decoder.prefill(seqs)
+            after_round(seqs)
+            while active := [s for s in seqs if not s.finished]:
+                self.decoder.step(active)
+                after_round(active)
+        return [self._output(seq, prompt) for seq, prompt in zip(seqs, prompts)]
+
+    def _stop_strings(self, seq: Sequence) -> None:
+        if seq.params.stop:
+            seq.check_stop_strings(self.tokenizer.decode(seq.output_ids, skip_special_tokens=True))
+
+    def _text(self, seq: Sequence) -> str:
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        return text if seq.text_limit is None else text[:seq.text_limit]
+
+    def _output(self, seq: Sequence, prompt: Prompt) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.seq_id, prompt=prompt, prompt_token_ids=seq.prompt_ids, text=self._text(seq),
+            token_ids=seq.output_ids, finish_reason=seq.finish_reason,
+            metrics=RequestMetrics.of(seq.stats, len(seq.output_ids), self.num_speculative_tokens))
