@@ -42,7 +42,9 @@ class Sequence:
 
 def chat_ids(tokenizer, text: str) -> list[int]:
     """A user message in the target's chat template, ready for the assistant's answer."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(chat, add_special_tokens=False)
 
 
 def stdlib_functions(limit: int | None = None) -> list[tuple[str, str]]:
@@ -152,9 +154,8 @@ def save_shard(sequences: list[Sequence], path: Path) -> None:
     partial.replace(path)
 
 
-def load_shards(folder: Path) -> list[Sequence]:
-    return [Sequence(**record) for file in sorted(Path(folder).glob("shard_*.pt"))
-            for record in torch.load(file)]
+def load_shard(path: Path) -> list[Sequence]:
+    return [Sequence(**record) for record in torch.load(path)]
 
 
 def generate_shards(target: LlamaModel, batches: list[list[list[int]]], folder: Path,

@@ -31,6 +31,13 @@ class ModelConfig:
     architecture: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # A draft may predict only a subset of the vocabulary (a cheaper head): `head_vocab_size`
+    # rows, whose token ids the model stores. Its logits stay full-vocabulary, -inf elsewhere.
+    head_vocab_size: int | None = None
+
+    def __post_init__(self):
+        if self.head_vocab_size is not None and self.tie_word_embeddings:
+            raise ValueError("a reduced head (head_vocab_size) cannot be tied to the embeddings")
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":

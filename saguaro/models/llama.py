@@ -122,9 +122,12 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.head_vocab_size or config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if config.head_vocab_size is not None:
+            # Vocabulary id of each head row; saved with the weights.
+            self.register_buffer("head_token_ids", torch.zeros(config.head_vocab_size, dtype=torch.long))
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     @property
@@ -155,7 +158,13 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """fp32 logits over the full vocabulary. With a reduced head, tokens outside it get
+        -inf: probability exactly zero, so the distribution a proposal is drawn from is exact."""
+        logits = self.lm_head(hidden).float()
+        if self.config.head_vocab_size is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.head_token_ids, logits)
 
 
 def causal_mask(slots: torch.Tensor) -> torch.Tensor:

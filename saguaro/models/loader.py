@@ -1,4 +1,6 @@
-"""Loads checkpoints: local Hugging Face folders (safetensors) and GGUF files (dequantized)."""
+"""Loads checkpoints: local Hugging Face folders (safetensors), GGUF files (dequantized) and
+saguaro's own folders (config.json with ModelConfig fields + model.safetensors), which drafts
+use and which may leave out the embedding table they share with their target."""
 from __future__ import annotations
 
 import json
@@ -163,8 +165,102 @@ def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> LlamaModel:
+    if is_saguaro_checkpoint(path):
+        return load_checkpoint(path, dtype, device)
     config, hf_state = read_checkpoint(path)
     return build_model(config, hf_state, dtype, device)
+
+
+# --- saguaro checkpoints (drafts) -------------------------------------------------------------
+
+SHARED_EMBEDDING = "embed_tokens.weight"
+
+
+class IncompatibleDraftError(ValueError):
+    """The draft cannot run with this target: different vocabularies or embedding widths."""
+
+
+def is_saguaro_checkpoint(path: str | Path) -> bool:
+    config = Path(path) / "config.json"
+    return config.is_file() and "num_layers" in json.loads(config.read_text())
+
+
+def save_checkpoint(model: LlamaModel, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
+                    share_embeddings: bool = True) -> None:
+    """Writes config.json and model.safetensors. With `share_embeddings` the embedding table is
+    left out (a draft borrows its target's: see load_draft), which keeps drafts small."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save(folder / "config.json")
+    state = {}
+    for name, value in model.state_dict().items():
+        if (share_embeddings and name == SHARED_EMBEDDING) or (
+                model.config.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        state[name] = (value.to(dtype) if value.is_floating_point() else value).contiguous()
+    save_file(state, folder / "model.safetensors")
+
+
+def load_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu",
+                    embeddings: torch.Tensor | None = None) -> LlamaModel:
+    """A saguaro checkpoint; `embeddings` supplies the table when the checkpoint omits it."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not is_saguaro_checkpoint(folder):
+        raise ModelNotFoundError(f"{folder} is not a saguaro checkpoint (config.json + model.safetensors)")
+    config = ModelConfig.load(folder / "config.json")
+    state = load_file(folder / "model.safetensors")
+    if SHARED_EMBEDDING not in state:
+        if embeddings is None:
+            raise ModelNotFoundError(f"{folder} shares its target's embeddings: load it with load_draft")
+        state[SHARED_EMBEDDING] = embeddings
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state[SHARED_EMBEDDING]
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_draft(path: str | Path, target: LlamaModel, dtype: torch.dtype | None = None,
+               device: str | torch.device | None = None) -> LlamaModel:
+    """A draft for `target`: a saguaro checkpoint (embeddings borrowed from the target when the
+    draft omits them) or any other checkpoint load_model reads. Vocabularies must match."""
+    dtype, device = dtype or target.dtype, device or target.device
+    if not is_saguaro_checkpoint(path):
+        draft = load_model(path, dtype, device)
+        _check_vocab(draft.config, target.config, path)
+        return draft
+    config = ModelConfig.load(Path(path) / "config.json")
+    _check_vocab(config, target.config, path)
+    embeddings = target.embed_tokens.weight.detach()
+    if config.hidden_size != target.config.hidden_size and not _has_own_embeddings(path):
+        raise IncompatibleDraftError(
+            f"draft {path} borrows the target's embeddings but its width {config.hidden_size} "
+            f"differs from the target's {target.config.hidden_size}")
+    return load_checkpoint(path, dtype, device, embeddings=embeddings)
+
+
+def _check_vocab(draft: ModelConfig, target: ModelConfig, path) -> None:
+    if draft.vocab_size != target.vocab_size:
+        raise IncompatibleDraftError(
+            f"draft {path} has a vocabulary of {draft.vocab_size} tokens, the target {target.vocab_size}: "
+            "speculative decoding needs the same tokenizer")
+
+
+def _has_own_embeddings(folder: str | Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(Path(folder) / "model.safetensors", "pt") as f:
+        return SHARED_EMBEDDING in f.keys()
 
 
 def load_tokenizer(path: str | Path):

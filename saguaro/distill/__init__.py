@@ -1,0 +1,1 @@
+"""Knowledge distillation of a small draft model from a target (`saguaro distill`)."""

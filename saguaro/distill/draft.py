@@ -1,0 +1,53 @@
+"""The draft's shape and its initialization from the target.
+
+The draft is a LlamaModel like any other: a few of the target's layers (copied, then trained),
+the target's embedding table (shared and frozen, so the checkpoint can leave it out) and a head
+over the tokens the target actually produces most often (a fraction of the cost of a
+full-vocabulary head, which would otherwise dominate a shallow draft's step time).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from saguaro.distill.teacher import Sequence
+from saguaro.models.llama import LlamaModel, rope_inv_freq
+
+
+@dataclass
+class DraftSpec:
+    layers: tuple[int, ...] = (0, 29)  # target layers the draft's layers start from
+    head_vocab: int = 8192
+
+
+def select_vocab(sequences: Seq[Sequence], size: int, vocab_size: int, always: Seq[int] = ()) -> torch.Tensor:
+    """The `size` token ids the teacher most often ranks first, plus `always` (e.g. EOS), sorted.
+    Weighting by the teacher's top-1 rather than by text frequency favours what the draft must
+    propose; ties are broken by plain token frequency."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for s in sequences:
+        counts.index_add_(0, s.topk_ids[:, 0].long(), torch.ones(len(s.topk_ids), dtype=torch.float64))
+        counts.index_add_(0, s.tokens.long(), torch.full((len(s.tokens),), 1e-3, dtype=torch.float64))
+    counts[list(always)] = float("inf")
+    return counts.topk(min(size, vocab_size)).indices.sort().values
+
+
+def init_draft(target: LlamaModel, spec: DraftSpec, vocab_ids: torch.Tensor) -> LlamaModel:
+    """An fp32 draft whose layers, final norm and head rows are copies of the target's."""
+    config = dataclasses.replace(target.config, num_layers=len(spec.layers), tie_word_embeddings=False,
+                                 head_vocab_size=len(vocab_ids))
+    draft = LlamaModel(config)
+    state = {"embed_tokens.weight": target.embed_tokens.weight, "norm.weight": target.norm.weight,
+             "lm_head.weight": target.lm_head.weight[vocab_ids], "head_token_ids": vocab_ids}
+    target_state = target.state_dict()
+    for i, j in enumerate(spec.layers):
+        for name, value in target_state.items():
+            if name.startswith(f"layers.{j}."):
+                state[f"layers.{i}." + name.removeprefix(f"layers.{j}.")] = value
+    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    draft.inv_freq = rope_inv_freq(config)
+    draft.embed_tokens.weight.requires_grad_(False)
+    return draft

@@ -1,0 +1,231 @@
+"""Distillation: the draft learns the target's next-token distributions (cached top-k).
+
+Sequences are packed into fixed-length rows (each attends only within itself), the loss is the
+cross-entropy from the teacher's top-k distribution to the draft's, and every run is a pure
+function of (data, config, seed): batch order depends only on the seed and the step, so a run
+resumed from a checkpoint continues exactly where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from saguaro.distill.teacher import Sequence
+from saguaro.models.llama import LlamaModel
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1500
+    rows: int = 8  # packed rows per step
+    row_len: int = 512
+    lr: float = 1e-3
+    warmup: int = 50
+    min_lr_ratio: float = 0.1
+    prompt_weight: float = 0.2  # loss weight of prompt positions relative to generated ones
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    seed: int = 0
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, T]
+    positions: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T, T] attention within each packed sequence
+    target_ids: torch.Tensor  # [B, T, k] draft-head index of the teacher's top-k, -1 outside it
+    target_logits: torch.Tensor  # [B, T, k]
+    weight: torch.Tensor  # [B, T] loss weight (0 at padding and at each sequence's last token)
+    teacher_top1: torch.Tensor  # [B, T] vocabulary id of the teacher's first choice
+
+
+def split_heldout(sequences: Seq[Sequence], every: int = 20) -> tuple[list[Sequence], list[Sequence]]:
+    """(train, heldout): every `every`-th sequence is held out."""
+    train = [s for i, s in enumerate(sequences) if i % every]
+    heldout = [s for i, s in enumerate(sequences) if i % every == 0]
+    return train, heldout
+
+
+def pack(sequences: Seq[Sequence], row_len: int) -> list[list[Sequence]]:
+    """Greedy first-fit packing in the given order; longer sequences are cut at row_len."""
+    rows, current, used = [], [], 0
+    for s in sequences:
+        n = min(len(s.tokens), row_len)
+        if used + n > row_len:
+            rows.append(current)
+            current, used = [], 0
+        current.append(s)
+        used += n
+    if current:
+        rows.append(current)
+    return rows
+
+
+def make_batch(rows: Seq[Seq[Sequence]], row_len: int, to_draft: torch.Tensor, prompt_weight: float,
+               generated_only: bool = False) -> Batch:
+    B, k = len(rows), rows[0][0].topk_ids.shape[1]
+    tokens = torch.zeros(B, row_len, dtype=torch.long)
+    positions = torch.zeros(B, row_len, dtype=torch.long)
+    segment = torch.full((B, row_len), -1, dtype=torch.long)
+    target_ids = torch.full((B, row_len, k), -1, dtype=torch.long)
+    target_logits = torch.zeros(B, row_len, k)
+    weight = torch.zeros(B, row_len)
+    top1 = torch.full((B, row_len), -1, dtype=torch.long)
+    for b, row in enumerate(rows):
+        start = 0
+        for j, s in enumerate(row):
+            n = min(len(s.tokens), row_len)
+            span = slice(start, start + n)
+            tokens[b, span] = s.tokens[:n].long()
+            positions[b, span] = torch.arange(n)
+            segment[b, span] = j
+            ids = s.topk_ids[:n - 1].long()
+            target_ids[b, start:start + n - 1] = to_draft[ids]
+            target_logits[b, start:start + n - 1] = s.topk_logits[:n - 1].float()
+            top1[b, start:start + n - 1] = ids[:, 0]
+            w = torch.ones(n - 1)
+            w[:s.num_prompt - 1] = 0.0 if generated_only else prompt_weight
+            weight[b, start:start + n - 1] = w
+            start += n
+    idx = torch.arange(row_len)
+    mask = (segment[:, :, None] == segment[:, None, :]) & (idx[None, :] <= idx[:, None]) & (segment[:, :, None] >= 0)
+    mask |= torch.eye(row_len, dtype=torch.bool)  # padding attends to itself, so no row is empty
+    return Batch(tokens, positions, mask, target_ids, target_logits, weight, top1)
+
+
+class PassCache:
+    """Stands in for a KVCache when a pass covers whole rows (slots 0..T-1): the keys and values
+    attended to are just this pass's, and nothing is written in place, which autograd needs."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+
+    def write(self, layer, rows, slots, k, v, span):
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def head_logits(draft: LlamaModel, batch: Batch) -> torch.Tensor:
+    """Logits over the draft's own (reduced) head vocabulary, [B, T, V_draft]."""
+    B, T = batch.tokens.shape
+    cache = PassCache(T)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = draft(batch.tokens, batch.positions, cache, slots=torch.arange(T).expand(B, T), mask=batch.mask)
+        return draft.lm_head(hidden).float()
+
+
+def distill_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Cross-entropy from the teacher's top-k distribution (temperature 1) to the draft's;
+    teacher mass on tokens outside the draft's head is unreachable and left out."""
+    logq = logits.log_softmax(-1).gather(-1, batch.target_ids.clamp(min=0))
+    p = batch.target_logits.softmax(-1) * (batch.target_ids >= 0)
+    per_position = -(p * logq).sum(-1)
+    return (per_position * batch.weight).sum() / batch.weight.sum().clamp(min=1e-9)
+
+
+@torch.no_grad()
+def evaluate(draft: LlamaModel, batches: Seq[Batch]) -> dict[str, float]:
+    """On generated positions: top-1 agreement with the teacher, and the KL from the teacher's
+    top-k (restricted to the draft's vocabulary, renormalized) to the draft."""
+    agree = kl = count = 0.0
+    for batch in batches:
+        logits = head_logits(draft, batch)
+        valid = batch.weight > 0
+        draft_top1 = draft.head_token_ids[logits.argmax(-1)]
+        agree += ((draft_top1 == batch.teacher_top1) & valid).sum().item()
+        logq = logits.log_softmax(-1).gather(-1, batch.target_ids.clamp(min=0))
+        in_vocab = batch.target_ids >= 0
+        logp = batch.target_logits.masked_fill(~in_vocab, float("-inf")).log_softmax(-1)
+        terms = torch.where(in_vocab, logp.exp() * (logp - logq), torch.zeros_like(logq))
+        kl += (terms.sum(-1) * valid).sum().item()
+        count += valid.sum().item()
+    return {"top1": agree / max(count, 1), "kl": kl / max(count, 1)}
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    t = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def epoch_rows(sequences: Seq[Sequence], config: TrainConfig, epoch: int) -> list[list[Sequence]]:
+    order = list(sequences)
+    random.Random(config.seed * 100003 + epoch).shuffle(order)
+    return pack(order, config.row_len)
+
+
+def train(draft: LlamaModel, train_seqs: Seq[Sequence], heldout_seqs: Seq[Sequence], config: TrainConfig,
+          out: Path | None = None, log=print) -> list[dict]:
+    """Trains `draft` in place and returns the evaluation history. With `out`, checkpoints go
+    to out/train_state.pt (resumed from when present) and evaluations to out/eval.jsonl."""
+    torch.manual_seed(config.seed)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    state_file = out / "train_state.pt" if out else None
+    step, history = 0, []
+    if state_file and state_file.exists():
+        saved = torch.load(state_file)
+        draft.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step, history = saved["step"], saved["history"]
+        log(f"resumed from step {step}")
+    to_draft = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
+    to_draft[draft.head_token_ids] = torch.arange(len(draft.head_token_ids))
+    heldout = [make_batch(r, config.row_len, to_draft, 0.0, generated_only=True)
+               for r in _chunks(pack(heldout_seqs, config.row_len), config.rows)]
+    if not history:
+        history.append({"step": 0, **evaluate(draft, heldout)})
+        _record(history[-1], out, log)
+    rows_per_epoch = len(epoch_rows(train_seqs, config, 0)) // config.rows
+    if rows_per_epoch == 0:
+        raise ValueError("not enough training sequences for one batch")
+    bar = tqdm(total=config.steps, initial=step, desc="distill", unit="step", dynamic_ncols=True)
+    epoch, rows = -1, []
+    started = time.time()
+    while step < config.steps:
+        if step // rows_per_epoch != epoch:
+            epoch = step // rows_per_epoch
+            rows = epoch_rows(train_seqs, config, epoch)
+        i = step % rows_per_epoch
+        batch = make_batch(rows[i * config.rows:(i + 1) * config.rows], config.row_len, to_draft, config.prompt_weight)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, config)
+        loss = distill_loss(head_logits(draft, batch), batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", epoch=epoch)
+        if step % config.eval_every == 0 or step == config.steps:
+            history.append({"step": step, "epoch": epoch, "minutes": (time.time() - started) / 60,
+                            **evaluate(draft, heldout)})
+            _record(history[-1], out, log)
+        if state_file and (step % config.checkpoint_every == 0 or step == config.steps):
+            torch.save({"step": step, "model": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                        "history": history, "config": asdict(config)}, state_file.with_suffix(".partial"))
+            state_file.with_suffix(".partial").replace(state_file)
+    bar.close()
+    return history
+
+
+def _chunks(items: list, n: int) -> list[list]:
+    return [items[i:i + n] for i in range(0, len(items), n)]
+
+
+def _record(entry: dict, out: Path | None, log) -> None:
+    log("eval " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items()))
+    if out:
+        with open(out / "eval.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")

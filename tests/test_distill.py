@@ -1,0 +1,104 @@
+"""Distillation on a tiny random-weight target: the teacher cache, training and the evaluation
+loop, in seconds on a CPU."""
+import pytest
+import torch
+
+from saguaro.distill import evaluate
+from saguaro.distill.draft import DraftSpec, init_draft, select_vocab
+from saguaro.distill.teacher import TeacherConfig, length_batches, teach_batch
+from saguaro.distill.train import TrainConfig, split_heldout, train
+from saguaro.models.config import ModelConfig
+from saguaro.models.llama import LlamaModel
+
+VOCAB = 64
+
+
+def tiny_target() -> LlamaModel:
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                         num_kv_heads=2, head_dim=8, eos_token_ids=[])
+    model = LlamaModel(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6)  # peaked, context-dependent distributions worth imitating
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def sequences(target):
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()
+               for n in torch.randint(4, 12, (96,), generator=gen)]
+    config = TeacherConfig(top_k=16, new_tokens=12, batch_size=32)
+    return [s for batch in length_batches(prompts, config.batch_size)
+            for s in teach_batch(target, batch, config, eos_ids=set())]
+
+
+def test_teacher_records_greedy_continuations(target, sequences):
+    s = sequences[0]
+    assert len(s.tokens) == s.num_prompt + 12 and s.topk_ids.shape == (len(s.tokens) - 1, 16)
+    # the generated tokens are the teacher's own first choices
+    assert torch.equal(s.topk_ids[s.num_prompt - 1:, 0], s.tokens[s.num_prompt:])
+    with torch.no_grad():
+        from saguaro.distill.train import PassCache
+        n = len(s.tokens)
+        logits = target.logits(target(s.tokens[None].long(), torch.arange(n)[None], PassCache(n)))[0, :-1]
+    assert torch.equal(logits.topk(16).indices.int()[:, 0], s.topk_ids[:, 0])
+
+
+def distill(target, sequences, lr: float) -> list[dict]:
+    train_seqs, heldout = split_heldout(sequences, every=4)
+    vocab = select_vocab(train_seqs, 48, VOCAB)
+    draft = init_draft(target, DraftSpec(layers=(0, 3), head_vocab=48), vocab)
+    config = TrainConfig(steps=40, rows=4, row_len=64, lr=lr, warmup=5, eval_every=40, seed=0)
+    return train(draft, train_seqs, heldout, config, log=lambda _: None)
+
+
+def test_training_lowers_heldout_kl(target, sequences):
+    history = distill(target, sequences, lr=3e-3)
+    assert history[-1]["kl"] < 0.6 * history[0]["kl"]
+    assert history[-1]["top1"] > history[0]["top1"]
+
+
+def test_heldout_kl_moves_only_through_training(target, sequences):
+    history = distill(target, sequences, lr=0.0)
+    assert history[-1]["kl"] == pytest.approx(history[0]["kl"], rel=1e-6)
+
+
+def test_resume_continues_the_same_run(target, sequences, tmp_path):
+    train_seqs, heldout = split_heldout(sequences, every=4)
+    vocab = select_vocab(train_seqs, 48, VOCAB)
+    config = TrainConfig(steps=6, rows=4, row_len=64, lr=3e-3, warmup=2, eval_every=3, checkpoint_every=3)
+    straight = init_draft(target, DraftSpec(layers=(0, 3), head_vocab=48), vocab)
+    train(straight, train_seqs, heldout, config, log=lambda _: None)
+    resumed = init_draft(target, DraftSpec(layers=(0, 3), head_vocab=48), vocab)
+    train(resumed, train_seqs, heldout, TrainConfig(**{**vars(config), "steps": 3}), tmp_path, log=lambda _: None)
+    resumed = init_draft(target, DraftSpec(layers=(0, 3), head_vocab=48), vocab)
+    train(resumed, train_seqs, heldout, config, tmp_path, log=lambda _: None)
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_draft_equal_to_target_is_always_accepted(target, temperature):
+    result = evaluate.acceptance(target, target, [[1, 2, 3], [5, 6, 7, 8]], k=4, temperature=temperature,
+                                 new_tokens=20)
+    assert result.lengths and all(n == 5 for n in result.lengths)
+    assert result.per_token() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_rejection_sampling_reproduces_the_target_distribution():
+    gen = torch.Generator().manual_seed(0)
+    target_logits, draft_logits = torch.randn(2, 6, generator=gen), torch.randn(1, 6, generator=gen)
+    draft_logits[0, 5] = float("-inf")  # a token the draft can never propose
+    q = evaluate._probs(draft_logits[0], 0.7)
+    counts = torch.zeros(6)
+    for _ in range(20000):
+        x = int(torch.multinomial(q, 1, generator=gen))
+        n, bonus = evaluate._accept(target_logits, draft_logits, [x], 0.7, gen)
+        counts[x if n == 1 else bonus] += 1
+    torch.testing.assert_close(counts / counts.sum(), evaluate._probs(target_logits[0], 0.7), atol=0.015, rtol=0)
