@@ -11,8 +11,7 @@ from saguaro.engine.decoders import ARDecoder, SDDecoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
-from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import load_model, load_tokenizer
+from saguaro.models.loader import load_draft, load_model, load_tokenizer
 from saguaro.outputs import RequestMetrics, RequestOutput
 
 METHODS = ("ar", "sd")
@@ -27,12 +26,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in names:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
     return names[dtype]
-
-
-def check_draft_matches(target: LlamaModel, draft: LlamaModel) -> None:
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) does not match "
-                         f"the target's ({target.config.vocab_size}): they must share a tokenizer")
 
 
 class LLM:
@@ -55,8 +48,7 @@ class LLM:
         else:
             if draft is None:
                 raise ValueError(f"method {method!r} needs a draft model")
-            self.draft = load_model(hub.resolve(draft), self.dtype, device)
-            check_draft_matches(self.target, self.draft)
+            self.draft = load_draft(hub.resolve(draft), self.target)
             self.decoder = SDDecoder(self.target, self.draft, num_speculative_tokens)
         self._ids = itertools.count()
 
