@@ -25,12 +25,13 @@ class DraftSpec:
 
 def select_vocab(sequences: Seq[Sequence], size: int, vocab_size: int, always: Seq[int] = ()) -> torch.Tensor:
     """The `size` token ids the teacher most often ranks first, plus `always` (e.g. EOS), sorted.
-    Weighting by the teacher's top-1 rather than by text frequency favours what the draft must
-    propose; ties are broken by plain token frequency."""
-    counts = torch.zeros(vocab_size, dtype=torch.float64)
+
+    Counting the teacher's first choices favours what the draft must propose. Tokens the sample
+    never shows are ranked by id: BPE ids follow merge order, roughly the tokenizer corpus's
+    frequency (the prior stays below one count, so it only orders unseen or tied tokens)."""
+    counts = 0.5 / (1 + torch.arange(vocab_size, dtype=torch.float64) / 2000)
     for s in sequences:
         counts.index_add_(0, s.topk_ids[:, 0].long(), torch.ones(len(s.topk_ids), dtype=torch.float64))
-        counts.index_add_(0, s.tokens.long(), torch.full((len(s.tokens),), 1e-3, dtype=torch.float64))
     counts[list(always)] = float("inf")
     return counts.topk(min(size, vocab_size)).indices.sort().values
 
