@@ -52,6 +52,10 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         num_heads = hf["num_attention_heads"]
+        # Sliding-window attention is not implemented; within the window it equals full
+        # attention, so the usable context stops there.
+        window = hf.get("sliding_window") if arch == "mistral" or hf.get("use_sliding_window") else None
+        max_positions = hf.get("max_position_embeddings", 8192)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -66,7 +70,7 @@ class ModelConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", arch == "qwen2"),
             qk_norm=arch == "qwen3",
-            max_position_embeddings=hf.get("max_position_embeddings", 8192),
+            max_position_embeddings=min(max_positions, window) if window else max_positions,
             architecture=arch,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
