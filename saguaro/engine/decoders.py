@@ -6,6 +6,8 @@ sequences it is handed, so a scheduler may add and drop requests between rounds.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from saguaro.engine.kv_cache import KVCache
@@ -19,6 +21,38 @@ from saguaro.models.llama import LlamaModel
 def new_cache(model: LlamaModel, num_rows: int, num_slots: int) -> KVCache:
     """A cache with one extra slot per row: the scratch slot that padding writes to."""
     return KVCache(model.config, num_rows, num_slots + 1, model.dtype, model.device)
+
+
+def point_masses(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, K] tokens -> [B, K, V] distributions with all mass on each token."""
+    return torch.zeros(*tokens.shape, vocab_size, device=tokens.device).scatter_(-1, tokens[..., None], 1.0)
+
+
+def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]],
+                         starts: list[int], params: WarpParams, u: torch.Tensor,
+                         reshape: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feeds each row's pending chunk, then drafts u.shape[1] tokens one at a time.
+
+    reshape(i, probs, logits) may change the distribution draft token i is sampled from (Saguaro
+    sampling); the returned distributions are the ones really sampled from.
+    Returns tokens [B, K] and distributions [B, K, V]."""
+    k = u.shape[1]
+    hidden = last_hidden(forward_chunks(model, cache, rows, chunks, starts), chunks)
+    ends = [s + len(c) for s, c in zip(starts, chunks)]
+    tokens, probs = [], []
+    for i in range(k):
+        logits = model.logits(hidden)
+        q = warp(logits, params)
+        if reshape is not None:
+            q = reshape(i, q, logits)
+        token = sample(q, u[:, i])
+        tokens.append(token)
+        probs.append(q)
+        if i < k - 1:
+            step = [[t] for t in token.tolist()]
+            hidden = forward_chunks(model, cache, rows, step, [e + i for e in ends])[:, 0]
+    return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
 def sample_next(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -70,6 +104,28 @@ class ARDecoder:
         for seq, token in zip(seqs, sample_next(self.target.logits(hidden[:, 0]), seqs)):
             seq.commit([token])
 
+    def verify_and_commit(self, seqs: list[Sequence], draft_tokens: torch.Tensor,
+                          draft_probs: torch.Tensor | None) -> list[tuple[int, int]]:
+        """One target pass over [last token, drafts]; commits accepted drafts + bonus and
+        returns each sequence's outcome (accepted_len, bonus_token). draft_probs None means
+        the drafts are point masses (greedy drafts, cheap backup tokens)."""
+        B, K = draft_tokens.shape
+        device = self.target.device
+        draft_tokens = draft_tokens.to(device)
+        if draft_probs is None:
+            draft_probs = point_masses(draft_tokens, self.target.config.vocab_size)
+        chunks = [[s.token_ids[-1]] + d for s, d in zip(seqs, draft_tokens.tolist())]
+        hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
+        params = WarpParams.of([s.params for s in seqs], device).repeat(K + 1)
+        target_probs = warp(self.target.logits(hidden).flatten(0, 1), params).view(B, K + 1, -1)
+        u = uniforms([s.generator for s in seqs], K + 1).to(device)
+        accepted_len, bonus = verify(draft_tokens, draft_probs.to(device), target_probs, u[:, :K], u[:, K])
+        outcomes = list(zip(accepted_len.tolist(), bonus.tolist()))
+        for seq, drafts, (k, bonus_token) in zip(seqs, draft_tokens.tolist(), outcomes):
+            seq.commit(drafts[:k] + [bonus_token])
+            seq.stats.acceptance_lengths.append(k + 1)
+        return outcomes
+
     def _rows(self, seqs: list[Sequence]) -> list[int]:
         return [self.rows[s.seq_id] for s in seqs]
 
@@ -110,24 +166,15 @@ class SDDecoder(ARDecoder):
 
     def propose(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """K draft tokens per sequence [B, K] and the distributions they came from [B, K, V]."""
-        rows = self._rows(seqs)
-        params = WarpParams.of([s.params for s in seqs], self.draft.device)
-        u = uniforms([s.generator for s in seqs], self.k).to(self.draft.device)
         chunks = [s.token_ids[self.draft_len[s.seq_id]:] for s in seqs]
         starts = [self.draft_len[s.seq_id] for s in seqs]
-        hidden = last_hidden(forward_chunks(self.draft, self.draft_cache, rows, chunks, starts), chunks)
-        tokens, probs = [], []
-        for i in range(self.k):
-            q = warp(self.draft.logits(hidden), params)
-            token = sample(q, u[:, i])
-            tokens.append(token)
-            probs.append(q)
-            if i < self.k - 1:
-                step = [[t] for t in token.tolist()]
-                hidden = forward_chunks(self.draft, self.draft_cache, rows, step, [len(s) + i for s in seqs])[:, 0]
+        params = WarpParams.of([s.params for s in seqs], self.draft.device)
+        u = uniforms([s.generator for s in seqs], self.k).to(self.draft.device)
+        tokens, probs = autoregressive_draft(self.draft, self.draft_cache, self._rows(seqs), chunks, starts,
+                                             params, u)
         for seq in seqs:
             self.draft_len[seq.seq_id] = len(seq) + self.k - 1
-        return torch.stack(tokens, 1), torch.stack(probs, 1)
+        return tokens, probs
 
     def step(self, seqs: list[Sequence]) -> None:
         draft_tokens, draft_probs = self.propose(seqs)
@@ -135,22 +182,8 @@ class SDDecoder(ARDecoder):
 
     def verify_and_commit(self, seqs: list[Sequence], draft_tokens: torch.Tensor,
                           draft_probs: torch.Tensor) -> list[tuple[int, int]]:
-        """One target pass over [last token, drafts]; commits accepted drafts + bonus and
-        returns each sequence's outcome (accepted_len, bonus_token)."""
-        B, K = draft_tokens.shape
-        device = self.target.device
-        chunks = [[s.token_ids[-1]] + d for s, d in zip(seqs, draft_tokens.tolist())]
-        hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
-        params = WarpParams.of([s.params for s in seqs], device).repeat(K + 1)
-        target_probs = warp(self.target.logits(hidden).flatten(0, 1), params).view(B, K + 1, -1)
-        u = uniforms([s.generator for s in seqs], K + 1).to(device)
-        accepted_len, bonus = verify(draft_tokens.to(device), draft_probs.to(device), target_probs,
-                                     u[:, :K], u[:, K])
-        outcomes = list(zip(accepted_len.tolist(), bonus.tolist()))
-        for seq, drafts, (k, bonus_token) in zip(seqs, draft_tokens.tolist(), outcomes):
-            committed_before = len(seq)
-            seq.commit(drafts[:k] + [bonus_token])
-            seq.stats.acceptance_lengths.append(k + 1)
-            if seq.seq_id in self.draft_len:
-                self.draft_len[seq.seq_id] = min(self.draft_len[seq.seq_id], committed_before + k)
+        committed_before = [len(s) for s in seqs]
+        outcomes = super().verify_and_commit(seqs, draft_tokens, draft_probs)
+        for seq, n, (k, _) in zip(seqs, committed_before, outcomes):
+            self.draft_len[seq.seq_id] = min(self.draft_len[seq.seq_id], n + k)
         return outcomes
