@@ -18,13 +18,11 @@ def forward_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: l
     device = model.device
     B, T = len(chunks), max(len(c) for c in chunks)
     scratch = cache.num_slots - 1
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    slots = torch.full((B, T), scratch, dtype=torch.long)
-    positions = torch.zeros(B, T, dtype=torch.long)
-    for i, (chunk, start) in enumerate(zip(chunks, starts)):
-        n = len(chunk)
-        tokens[i, :n] = torch.tensor(chunk)
-        positions[i, :n] = slots[i, :n] = torch.arange(start, start + n)
+    offsets = torch.arange(T)
+    real = offsets < torch.tensor([len(c) for c in chunks])[:, None]
+    tokens = torch.tensor([c + [0] * (T - len(c)) for c in chunks])
+    positions = torch.where(real, torch.tensor(starts)[:, None] + offsets, 0)
+    slots = torch.where(real, positions, scratch)
     span = max(s + len(c) for s, c in zip(starts, chunks))
     if span > scratch:
         raise IndexError(f"sequence of {span} tokens does not fit a KV cache of {scratch} slots")
