@@ -1,0 +1,56 @@
+"""Shared fixtures. Loading the default model takes seconds, so each model is loaded once per
+test session and every test that needs it shares it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from saguaro.models import hub
+
+    return hub.resolve("smollm2")
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The embedded default target in fp32, where greedy near-ties are rare (SSD_NOTES §7)."""
+    from saguaro import LLM
+
+    return LLM("smollm2", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_path):
+    """The same GGUF checkpoint loaded by Hugging Face transformers: the reference."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                 dtype=torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def prompts(llm) -> list[list[int]]:
+    """20 real prompts as token ids: 10 HumanEval code prompts (raw) and 10 held-out ShareGPT
+    first turns (chat template applied), alternating so that any prefix mixes both kinds."""
+    from saguaro.datasets import humaneval_prompts, sharegpt_first_turns
+
+    code = [llm.encode(p) for p in humaneval_prompts()[:10]]
+    chat = [llm.encode([{"role": "user", "content": p}])
+            for p in sharegpt_first_turns("heldout", limit=10, seed=0, max_chars=1000)]
+    return [p for pair in zip(code, chat) for p in pair]
+
+
+@pytest.fixture(scope="session")
+def ar_greedy(llm, prompts) -> list[list[int]]:
+    """saguaro's AR greedy continuations of `prompts`, decoded as one batch."""
+    from saguaro import SamplingParams
+
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    return [o.token_ids for o in outputs]
