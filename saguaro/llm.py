@@ -2,19 +2,23 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence as SequenceABC
 
 import torch
 from tqdm import tqdm
 
+from saguaro.draft.client import DraftClient, WorkerConfig
+from saguaro.draft.fanout import geometric_fan_out, uniform_fan_out
 from saguaro.engine.decoders import ARDecoder, SDDecoder
+from saguaro.engine.ssd import SSDDecoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
-from saguaro.models.loader import load_draft, load_model, load_tokenizer
+from saguaro.models.loader import IncompatibleDraftError, load_draft, load_model, load_tokenizer
 from saguaro.outputs import RequestMetrics, RequestOutput
 
-METHODS = ("ar", "sd")
+METHODS = ("ar", "sd", "ssd")
 Prompt = str | list[dict] | list[int]
 
 
@@ -28,10 +32,35 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return names[dtype]
 
 
+def split_cores(draft_device: str) -> str | None:
+    """On CPU, the draft worker gets the last core and this process keeps the others, so
+    drafting and verifying really run in parallel."""
+    cores = sorted(os.sched_getaffinity(0))
+    if draft_device != "cpu" or len(cores) < 2:
+        return None
+    os.sched_setaffinity(0, cores[:-1])
+    torch.set_num_threads(len(cores) - 1)
+    return str(cores[-1])
+
+
 class LLM:
+    """A target model and a decoding method.
+
+    method: "ar" (autoregressive), "sd" (speculative decoding with the draft in this process)
+    or "ssd" (speculative speculative decoding, the draft in its own worker process).
+    draft: a checkpoint; for a known target, its shipped distilled draft by default.
+    SSD options: fan_out ("geometric", "uniform" or K+1 integers), fan_out_budget (branches
+    per request), saguaro_c (Saguaro sampling constant, 1 = off), backup ("auto", "neural",
+    "fast"), draft_device, draft_address ("HOST:PORT" to await a worker started elsewhere),
+    acceptance_rate and power_law_r (the geometric fan-out's a and r).
+    """
+
     def __init__(self, model: str = hub.DEFAULT_MODEL, draft: str | None = None, method: str = "ar",
                  num_speculative_tokens: int = 5, device: str = "cpu", dtype: str | torch.dtype = "auto",
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, fan_out: str | list[int] = "geometric",
+                 fan_out_budget: int = 16, saguaro_c: float = 1.0, backup: str = "auto",
+                 draft_device: str = "cpu", draft_address: str | None = None,
+                 acceptance_rate: float = 0.75, power_law_r: float = 0.6):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
         if num_threads:
@@ -43,14 +72,46 @@ class LLM:
         self.target = load_model(path, self.dtype, device)
         self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]
         self.num_speculative_tokens = num_speculative_tokens if method != "ar" else None
+        self._ids = itertools.count()
         if method == "ar":
             self.decoder = ARDecoder(self.target)
-        else:
-            if draft is None:
-                raise ValueError(f"method {method!r} needs a draft model")
-            self.draft = load_draft(hub.resolve(draft), self.target)
+            return
+        draft_path = hub.resolve(draft) if draft else hub.default_draft(str(model))
+        if draft_path is None:
+            raise ValueError(f"method {method!r} needs a draft model (no shipped draft for {model!r})")
+        if method == "sd":
+            self.draft = load_draft(draft_path, self.target)
             self.decoder = SDDecoder(self.target, self.draft, num_speculative_tokens)
-        self._ids = itertools.count()
+            return
+        k = num_speculative_tokens
+        if fan_out == "geometric":
+            fan_out = geometric_fan_out(fan_out_budget, k, acceptance_rate, power_law_r)
+        elif fan_out == "uniform":
+            fan_out = uniform_fan_out(fan_out_budget, k)
+        config = WorkerConfig(str(draft_path), str(self.dtype).removeprefix("torch."), k, list(fan_out),
+                              saguaro_c, draft_device, None if draft_address else split_cores(draft_device),
+                              draft_address)
+        client = DraftClient(config, self.target.embed_tokens.weight.detach().cpu(), device)
+        if client.ready.vocab_size != self.target.config.vocab_size:
+            client.close()
+            raise IncompatibleDraftError(f"the draft's vocabulary ({client.ready.vocab_size} tokens) does not "
+                                         f"match the target's ({self.target.config.vocab_size})")
+        self.decoder = SSDDecoder(self.target, client, backup)
+
+    def close(self) -> None:
+        """Stops the draft worker, if any (also done at exit)."""
+        if isinstance(self.decoder, SSDDecoder):
+            self.decoder.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def metrics(self) -> dict:
+        """Engine-wide SSD figures: cache hit rate, acceptance on hit / miss, T_p, wait time."""
+        return self.decoder.stats.summary() if isinstance(self.decoder, SSDDecoder) else {}
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt, a chat (list of messages; the chat template is applied)

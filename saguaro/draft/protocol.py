@@ -1,0 +1,136 @@
+"""The wire between the target (rank 0) and the draft worker (rank 1).
+
+Messages are small dataclasses pickled into one byte tensor and sent point-to-point through a
+`torch.distributed` process group of its own (gloo on CPU, NCCL on CUDA), so two engines can
+share a host and the worker can live on another one. Only token ids, outcome keys and, at
+temperature > 0, the proposal distributions verification needs cross the wire.
+"""
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from saguaro.engine.sampler import SamplingParams
+
+
+class DraftUnavailable(RuntimeError):
+    """The draft worker died, hung past the timeout or broke the protocol."""
+
+
+# --- messages --------------------------------------------------------------------------------
+
+@dataclass
+class Hello:
+    """Target -> worker, once: what to load and how to decode."""
+    draft: str
+    dtype: str
+    num_speculative_tokens: int
+    fan_out: list[int]
+    saguaro_c: float
+    embeddings: torch.Tensor | None  # the target's table, for drafts that borrow it
+
+
+@dataclass
+class Prefill:
+    """Target -> worker: new requests, with the first token the target sampled."""
+    seq_ids: list[int]
+    token_ids: list[list[int]]
+    params: list[SamplingParams]
+    max_len: int  # longest a sequence may grow, for the draft's KV cache
+
+
+@dataclass
+class SpecRequest:
+    """Target -> worker: each request's outcome of the last verification (None on its first
+    round) and the speculations wanted next. `backup` is "neural" or "fast"."""
+    seq_ids: list[int]
+    outcomes: list[tuple[int, int] | None]  # (accepted_len, bonus_token)
+    backup: str
+    fan_out: list[int] | None = None  # a new fan-out, when the engine re-plans it
+
+
+@dataclass
+class Speculation:
+    """Worker -> target: K tokens per request, whether they came from the cache, and the
+    distributions they were drawn from (None at temperature 0: point masses)."""
+    tokens: list[list[int]]
+    hits: list[bool]
+    probs: list[torch.Tensor | None]
+    fill_time_s: float  # time the worker spent filling the cache in the previous round
+    backup_time_s: float  # time spent on misses in this reply
+
+
+@dataclass
+class Release:
+    seq_ids: list[int]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Ready:
+    """Worker -> target after Hello: the draft loaded."""
+    vocab_size: int
+    num_layers: int
+    pid: int
+    notes: dict = field(default_factory=dict)
+
+
+# --- channel ---------------------------------------------------------------------------------
+
+class Channel:
+    """Sends and receives pickled messages between rank 0 and rank 1."""
+
+    def __init__(self, host: str, port: int, rank: int, device: str = "cpu", timeout_s: float = 60.0):
+        """Rank 0 serves the rendezvous store (port 0 picks a free one: see `port`); `connect`
+        then blocks until the peer has joined."""
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, 2, rank == 0, timeout=self.timeout, wait_for_workers=False)
+        self.rank, self.peer = rank, 1 - rank
+        self.device = torch.device(device)
+        self.group = None
+
+    @property
+    def port(self) -> int:
+        return self.store.port
+
+    def connect(self) -> "Channel":
+        if self.device.type == "cuda":
+            self.group = dist.ProcessGroupNCCL(self.store, self.rank, 2)
+        else:
+            self.group = dist.ProcessGroupGloo(self.store, self.rank, 2, self.timeout)
+        return self
+
+    def send(self, message) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(message, protocol=5)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        try:
+            self.group.send([size.to(self.device)], self.peer, 0).wait()
+            self.group.send([payload.to(self.device)], self.peer, 1).wait()
+        except RuntimeError as e:
+            raise DraftUnavailable(str(e)) from e
+
+    def recv(self, timeout_s: float | None = None):
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        try:
+            self._wait(self.group.recv([size], self.peer, 0), timeout)
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+            self._wait(self.group.recv([payload], self.peer, 1), timeout)
+        except RuntimeError as e:
+            raise DraftUnavailable(str(e)) from e
+        return pickle.loads(payload.cpu().numpy().tobytes())
+
+    @staticmethod
+    def _wait(work, timeout) -> None:
+        if timeout is None:
+            work.wait()
+        elif not work.wait(timeout):
+            raise DraftUnavailable(f"no answer within {timeout.total_seconds():.0f} s")

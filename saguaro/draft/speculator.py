@@ -1,0 +1,226 @@
+"""The draft side of SSD: answers speculation requests and fills the speculation cache.
+
+After it sends a speculation d_1..d_K for a request, the speculator predicts the outcomes of
+its verification: for every accepted length k it takes the F_k most likely bonus tokens of
+its own distribution at position k+1 (the token it proposed there can never be the bonus),
+and drafts K tokens after each predicted outcome. All branches of all requests are decoded
+together as a tree, one forward per depth. When the real outcome arrives, a hit is answered
+at once; a miss gets a backup speculation.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from saguaro.engine.decoders import autoregressive_draft, new_cache
+from saguaro.engine.kv_cache import KVCache
+from saguaro.engine.runner import forward_chunks
+from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
+from saguaro.models.llama import LlamaModel
+
+Outcome = tuple[int, int]  # (accepted_len, bonus_token)
+
+
+@dataclass
+class DraftSequence:
+    """What the draft knows of one request."""
+    seq_id: int
+    token_ids: list[int]  # committed tokens
+    params: SamplingParams
+    generator: torch.Generator
+    row: int
+    cached_len: int  # committed tokens whose KV entries sit contiguously in the draft cache
+    spec: list[int] = field(default_factory=list)  # the speculation being verified
+    cache: dict[Outcome, tuple[list[int], torch.Tensor | None]] = field(default_factory=dict)
+
+
+def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, top: int, c: float) -> torch.Tensor:
+    """Saguaro sampling (Definition 14): the mass of the `top` most likely tokens is scaled by
+    c and the rest renormalized, which pushes the residual of a rejection onto the tokens the
+    cache holds. Exact, because verification uses this distribution as the proposal."""
+    if c >= 1 or top <= 0:
+        return probs
+    favoured = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, logits.topk(top, dim=-1).indices, True)
+    scaled = torch.where(favoured, probs * c, probs)
+    total = scaled.sum(-1, keepdim=True)
+    return torch.where(total > 0, scaled / total.clamp_min(1e-30), probs)
+
+
+def ngram_guess(tokens: list[int], k: int) -> list[int]:
+    """Fast backup: the K tokens that followed the latest earlier occurrence of the last token
+    (prompt lookup), or the last token repeated. Proposed as point masses, so exact."""
+    last = tokens[-1]
+    for i in range(len(tokens) - 2, -1, -1):
+        if tokens[i] == last:
+            guess = tokens[i + 1:i + 1 + k]
+            return guess + [guess[-1]] * (k - len(guess))
+    return [last] * k
+
+
+class Speculator:
+    def __init__(self, draft: LlamaModel, k: int, fan_out: list[int], saguaro_c: float = 1.0):
+        if len(fan_out) != k + 1:
+            raise ValueError(f"fan_out needs K+1 = {k + 1} entries, got {len(fan_out)}")
+        self.draft, self.k, self.fan_out, self.saguaro_c = draft, k, list(fan_out), saguaro_c
+        self.cache: KVCache | None = None
+        self.seqs: dict[int, DraftSequence] = {}
+
+    @property
+    def num_branches(self) -> int:
+        return sum(self.fan_out)
+
+    def reserve(self, num_rows: int, num_slots: int) -> None:
+        tree = self.k * self.num_branches
+        needed = num_slots + self.k + 1 + tree
+        if self.cache is None or self.cache.num_rows < num_rows or self.cache.num_slots <= needed:
+            self.cache = new_cache(self.draft, max(num_rows, 1), needed)
+
+    def add(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
+            max_len: int) -> None:
+        """Registers requests (prompt + first token) and runs their prompts through the draft."""
+        self.reserve(len(self.seqs) + len(seq_ids), max_len)
+        free = sorted(set(range(self.cache.num_rows)) - {s.row for s in self.seqs.values()})
+        new = []
+        for sid, ids, p in zip(seq_ids, token_ids, params):
+            seed = (p.seed if p.seed is not None else sid) * 2654435761 + 1  # independent of the target's stream
+            gen = torch.Generator().manual_seed(seed % (2 ** 63))
+            seq = DraftSequence(sid, list(ids), p, gen, free.pop(0), cached_len=len(ids) - 1)
+            self.seqs[sid] = seq
+            new.append(seq)
+        forward_chunks(self.draft, self.cache, [s.row for s in new], [s.token_ids[:-1] for s in new], [0] * len(new))
+
+    def release(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self.seqs.pop(sid, None)
+
+    # --- answering ------------------------------------------------------------------------
+
+    def speculate(self, seq_ids: list[int], outcomes: list[Outcome | None], backup: str
+                  ) -> tuple[list[list[int]], list[bool], list[torch.Tensor | None]]:
+        """Applies each request's last outcome and returns its next speculation: from the cache
+        on a hit, else from the backup ("neural": the draft just in time; "fast": n-gram)."""
+        seqs = [self.seqs[sid] for sid in seq_ids]
+        hits, probs = [], [None] * len(seqs)
+        for i, (seq, outcome) in enumerate(zip(seqs, outcomes)):
+            hit = False
+            if outcome is not None:
+                accepted_len, bonus = outcome
+                committed = len(seq.token_ids)
+                seq.token_ids += seq.spec[:accepted_len] + [bonus]
+                seq.cached_len = min(seq.cached_len, committed + accepted_len)
+                entry = seq.cache.get(outcome)
+                if entry is not None:
+                    seq.spec, probs[i] = entry
+                    hit = True
+            seq.cache = {}
+            hits.append(hit)
+        missed = [i for i, hit in enumerate(hits) if not hit]
+        if missed and backup == "neural":
+            tokens, q = self._draft_now([seqs[i] for i in missed])
+            for j, i in enumerate(missed):
+                seqs[i].spec = tokens[j].tolist()
+                probs[i] = None if seqs[i].params.greedy else q[j]
+        else:
+            for i in missed:
+                seqs[i].spec, probs[i] = ngram_guess(seqs[i].token_ids, self.k), None
+        return [s.spec for s in seqs], hits, probs
+
+    def _draft_now(self, seqs: list[DraftSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        chunks = [s.token_ids[s.cached_len:] for s in seqs]
+        starts = [s.cached_len for s in seqs]
+        tokens, probs = autoregressive_draft(
+            self.draft, self.cache, [s.row for s in seqs], chunks, starts, self._warp_params(seqs),
+            self._uniforms(seqs, self.k), reshape=self._sigma)
+        for seq in seqs:
+            seq.cached_len = len(seq.token_ids) + self.k - 1
+        return tokens, probs
+
+    def _sigma(self, position: int, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Saguaro sampling for draft position `position` (0-based): a rejection there is the
+        outcome accepted_len = position, whose bonus candidates are the top fan_out[position]."""
+        return saguaro_sigma(probs, logits, self.fan_out[position], self.saguaro_c)
+
+    def _warp_params(self, seqs: list[DraftSequence], repeat: int = 1) -> WarpParams:
+        params = WarpParams.of([s.params for s in seqs], self.draft.device)
+        return params.repeat(repeat) if repeat > 1 else params
+
+    def _uniforms(self, seqs: list[DraftSequence], n: int) -> torch.Tensor:
+        return uniforms([s.generator for s in seqs], n).to(self.draft.device)
+
+    # --- filling the cache ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def fill(self, seq_ids: list[int]) -> float:
+        """Pre-drafts a speculation for every predicted outcome of each request's pending
+        verification. Returns the time it took."""
+        start = time.perf_counter()
+        seqs = [self.seqs[sid] for sid in seq_ids if sid in self.seqs]
+        if not seqs or self.num_branches == 0:
+            return time.perf_counter() - start
+        position_logits = self._glue(seqs)
+        branch_len, branch_token = self._candidates(seqs, position_logits)
+        self._decode_tree(seqs, branch_len, branch_token)
+        return time.perf_counter() - start
+
+    def _glue(self, seqs: list[DraftSequence]) -> torch.Tensor:
+        """One pass over [last committed, d_1..d_K] (plus anything not yet cached): KV entries
+        for the shared prefix, and the draft's logits at the K+1 positions [B, K+1, V]."""
+        k = self.k
+        starts = [min(s.cached_len, len(s.token_ids) - 1) for s in seqs]
+        chunks = [s.token_ids[st:] + s.spec for s, st in zip(seqs, starts)]
+        hidden = forward_chunks(self.draft, self.cache, [s.row for s in seqs], chunks, starts)
+        last = torch.tensor([len(c) - k - 1 for c in chunks])[:, None] + torch.arange(k + 1)
+        hidden = hidden[torch.arange(len(seqs))[:, None], last.to(hidden.device)]
+        for seq in seqs:
+            seq.cached_len = len(seq.token_ids) + k
+        return self.draft.logits(hidden)
+
+    def _candidates(self, seqs: list[DraftSequence], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Branches: accepted length j repeated fan_out[j] times, and for each request the top
+        fan_out[j] tokens at position j+1, its own proposal there excluded. [B, branches]."""
+        logits = logits.clone()
+        spec = torch.tensor([s.spec for s in seqs], device=logits.device)
+        logits[:, : self.k].scatter_(-1, spec[..., None], float("-inf"))
+        branch_len, tokens = [], []
+        for j, f in enumerate(self.fan_out):
+            if f > 0:
+                branch_len += [j] * f
+                tokens.append(logits[:, j].topk(f, dim=-1).indices)
+        return branch_len, torch.cat(tokens, dim=1)
+
+    def _decode_tree(self, seqs: list[DraftSequence], branch_len: list[int], first: torch.Tensor) -> None:
+        """Drafts K tokens after every branch's bonus candidate, one forward per depth over all
+        branches. Branch slots follow each row's glue entries, depth-major."""
+        B, NB = first.shape
+        k, device = self.k, self.draft.device
+        committed = torch.tensor([len(s.token_ids) for s in seqs], device=device)  # n
+        accepted = torch.tensor(branch_len, device=device)  # [NB]
+        base = committed + k  # first tree slot of each row
+        prefix_end = committed[:, None] - 1 + accepted[None]  # last linear slot each branch sees
+        params = self._warp_params(seqs, NB)
+        u = self._uniforms(seqs, NB * k).view(B, NB, k)
+        rows = torch.tensor([s.row for s in seqs], device=device)
+        branch = torch.arange(NB, device=device)
+        tokens, drafted, probs = first, [], []
+        for depth in range(k):
+            span = int(base.max()) + (depth + 1) * NB
+            slot_ids = torch.arange(span, device=device)
+            rel = slot_ids[None, None] - base[:, None, None]  # [B, 1, span]
+            in_branch = (rel >= 0) & (rel % NB == branch[None, :, None]) & (rel // NB <= depth)
+            mask = (slot_ids[None, None] <= prefix_end[..., None]) | in_branch
+            positions = committed[:, None] + accepted[None] + depth
+            slots = (base[:, None] + depth * NB + branch[None]).expand(B, NB)
+            hidden = self.draft(tokens, positions, self.cache, rows=rows, slots=slots, mask=mask)
+            logits = self.draft.logits(hidden).flatten(0, 1)
+            q = self._sigma(depth, warp(logits, params), logits)
+            tokens = sample(q, u[:, :, depth].flatten()).view(B, NB)
+            drafted.append(tokens)
+            probs.append(q.view(B, NB, -1))
+        drafted_t = torch.stack(drafted, -1).tolist()  # [B, NB, K]
+        probs_t = torch.stack(probs, 2)  # [B, NB, K, V]
+        for b, seq in enumerate(seqs):
+            bonus = first[b].tolist()
+            seq.cache = {(branch_len[j], bonus[j]): (drafted_t[b][j], None if seq.params.greedy else probs_t[b, j])
+                         for j in range(NB)}

@@ -1,0 +1,156 @@
+"""The target side of speculative speculative decoding (SSD).
+
+Each round the target sends the outcome of its last verification to the draft worker and gets
+the next speculation back: at once when the worker had pre-drafted it (a cache hit), after a
+backup otherwise. While the target verifies, the worker fills its cache for the next round.
+If the worker dies or stops answering, decoding goes on here, autoregressively and exactly.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from saguaro.draft.client import DraftClient
+from saguaro.draft.fanout import SpeedModel
+from saguaro.draft.protocol import DraftUnavailable, SpecRequest
+from saguaro.engine.decoders import ARDecoder, point_masses
+from saguaro.engine.sequence import Sequence
+from saguaro.models.llama import LlamaModel
+
+BACKUPS = ("auto", "neural", "fast")
+
+
+@dataclass
+class SSDStats:
+    """Per-round measurements over the decoder's life (all sequences)."""
+    hit_lengths: list[int] = field(default_factory=list)  # acceptance length after a hit
+    miss_lengths: dict[str, list[int]] = field(default_factory=lambda: {"neural": [], "fast": []})
+    verify_s: list[float] = field(default_factory=list)
+    fill_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)  # target idle, waiting for the draft
+    backup_s: list[float] = field(default_factory=list)  # worker time on misses, per round with one
+    t_p: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        hits, misses = len(self.hit_lengths), sum(len(v) for v in self.miss_lengths.values())
+        mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+        median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        return {
+            "cache_hit_rate": hits / (hits + misses) if hits + misses else None,
+            "acceptance_length_hit": mean(self.hit_lengths),
+            "acceptance_length_miss_neural": mean(self.miss_lengths["neural"]),
+            "acceptance_length_miss_fast": mean(self.miss_lengths["fast"]),
+            "t_p_median": median(self.t_p),
+            "verify_s_median": median(self.verify_s),
+            "fill_s_median": median(self.fill_s),
+            "target_wait_s_total": sum(self.wait_s),
+            "target_wait_s_median": median(self.wait_s),
+        }
+
+
+class SSDDecoder(ARDecoder):
+    def __init__(self, target: LlamaModel, client: DraftClient, backup: str = "auto"):
+        super().__init__(target)
+        if backup not in BACKUPS:
+            raise ValueError(f"backup must be one of {', '.join(BACKUPS)}")
+        self.client, self.backup = client, backup
+        self.k = client.config.num_speculative_tokens
+        self.outcomes: dict[int, tuple[int, int] | None] = {}
+        self.stats = SSDStats()
+        self.draft_lost = False
+
+    @property
+    def lookahead(self) -> int:
+        return self.k + 1
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        super().prefill(seqs)
+        for seq in seqs:
+            self.outcomes[seq.seq_id] = None
+        if not self.draft_lost:
+            try:
+                self.client.prefill([s.seq_id for s in seqs], [s.token_ids for s in seqs],
+                                    [s.params for s in seqs], self.cache.num_slots - 1)
+            except DraftUnavailable as e:
+                self._lose_draft(e)
+
+    def release(self, seq: Sequence) -> None:
+        super().release(seq)
+        self.outcomes.pop(seq.seq_id, None)
+        if not self.draft_lost:
+            try:
+                self.client.release([seq.seq_id])
+            except DraftUnavailable as e:
+                self._lose_draft(e)
+
+    def step(self, seqs: list[Sequence]) -> None:
+        if self.draft_lost:
+            return super().step(seqs)
+        backup = self.choose_backup(len(seqs))
+        outcomes = [self.outcomes[s.seq_id] for s in seqs]
+        asked = time.perf_counter()
+        try:
+            spec = self.client.speculate(SpecRequest([s.seq_id for s in seqs], outcomes, backup))
+        except DraftUnavailable as e:
+            self._lose_draft(e)
+            return super().step(seqs)
+        received = time.perf_counter()
+        tokens = torch.tensor(spec.tokens)
+        probs = None
+        if any(p is not None for p in spec.probs):
+            masses = point_masses(tokens, self.target.config.vocab_size)
+            probs = torch.stack([m if p is None else p for m, p in zip(masses, spec.probs)])
+        new_outcomes = self.verify_and_commit(seqs, tokens, probs)
+        verified = time.perf_counter()
+        self._record(seqs, outcomes, spec, new_outcomes, backup, received - asked, verified - received)
+        for seq, outcome in zip(seqs, new_outcomes):
+            self.outcomes[seq.seq_id] = outcome
+
+    def _record(self, seqs, previous, spec, outcomes, backup, wait_s, verify_s) -> None:
+        stats = self.stats
+        if stats.verify_s and spec.fill_time_s > 0:
+            stats.fill_s.append(spec.fill_time_s)
+            stats.t_p.append(spec.fill_time_s / stats.verify_s[-1])
+        stats.verify_s.append(verify_s)
+        stats.wait_s.append(wait_s)
+        if not all(spec.hits):
+            stats.backup_s.append(spec.backup_time_s)
+        for seq, before, hit, (accepted_len, _) in zip(seqs, previous, spec.hits, outcomes):
+            if before is None:
+                continue  # a request's first round cannot hit
+            seq.stats.cache_hits.append(hit)
+            (stats.hit_lengths if hit else stats.miss_lengths[backup]).append(accepted_len + 1)
+
+    def speed_model(self) -> SpeedModel:
+        """The measured quantities of Theorem 7, with prior guesses where nothing was measured
+        yet (the paper found neural backup best at batch 1, fast from batch 2)."""
+        s = self.stats
+        hits, misses = len(s.hit_lengths), sum(len(v) for v in s.miss_lengths.values())
+        verify = statistics.median(s.verify_s) if s.verify_s else 1.0
+        mean = lambda xs, default: statistics.fmean(xs) if xs else default  # noqa: E731
+        e_hit = mean(s.hit_lengths, self.k / 2 + 1)
+        return SpeedModel(
+            p_hit=hits / (hits + misses) if hits + misses >= 10 else 0.8,
+            e_hit=e_hit,
+            e_neural=mean(s.miss_lengths["neural"], e_hit),
+            e_fast=mean(s.miss_lengths["fast"], 1.0),
+            t_p=statistics.median(s.t_p) if s.t_p else 0.8,
+            t_neural=statistics.median(s.backup_s) / verify if s.backup_s else 0.8,
+        )
+
+    def choose_backup(self, batch_size: int) -> str:
+        if self.backup != "auto":
+            return self.backup
+        return "neural" if batch_size < self.speed_model().critical_batch_size() else "fast"
+
+    def _lose_draft(self, error: Exception) -> None:
+        warnings.warn(f"draft worker lost ({error}); continuing with autoregressive decoding", RuntimeWarning)
+        self.draft_lost = True
+        self.client.close()
+
+    def close(self) -> None:
+        self.client.close()
