@@ -15,21 +15,11 @@ from saguaro.engine.ssd import SSDDecoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
-from saguaro.models.loader import IncompatibleDraftError, load_draft, load_model, load_tokenizer
+from saguaro.models.loader import IncompatibleDraftError, load_draft, load_model, load_tokenizer, resolve_dtype
 from saguaro.outputs import RequestMetrics, RequestOutput
 
 METHODS = ("ar", "sd", "ssd")
 Prompt = str | list[dict] | list[int]
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
-    return names[dtype]
 
 
 def split_cores(draft_device: str) -> str | None:
@@ -154,8 +144,7 @@ class LLM:
                         if len(text) > len(streamed[i]) and text.startswith(streamed[i]):
                             on_token(i, text[len(streamed[i]):])
                             streamed[i] = text
-                    if seq.finished:
-                        self.decoder.release(seq)
+                self.decoder.release([s for s in active if s.finished])
                 bar.n = sum(s.params.max_tokens if s.finished else len(s.output_ids) for s in seqs)
                 bar.refresh()
 

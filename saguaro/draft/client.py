@@ -99,3 +99,32 @@ class DraftClient:
             except subprocess.TimeoutExpired:
                 pass
             self._finalizer()
+
+
+class InProcessDraft:
+    """The same speculator and protocol without a worker process: nothing overlaps, but every
+    message takes the same path. For tests and for debugging on one core."""
+
+    def __init__(self, config: WorkerConfig, embeddings: torch.Tensor | None):
+        from saguaro.draft.worker import DraftServer
+
+        self.config = config
+        self.server = DraftServer(Hello(config.draft, config.dtype, config.num_speculative_tokens,
+                                        config.fan_out, config.saguaro_c, embeddings), config.device)
+        self.ready = self.server.ready
+        self.alive = True
+
+    def prefill(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
+                max_len: int) -> None:
+        self.server.handle(Prefill(seq_ids, token_ids, params, max_len))
+
+    def speculate(self, request: SpecRequest) -> Speculation:
+        reply = self.server.handle(request)
+        self.server.fill()
+        return reply
+
+    def release(self, seq_ids: list[int]) -> None:
+        self.server.handle(Release(seq_ids))
+
+    def close(self) -> None:
+        self.alive = False

@@ -33,7 +33,9 @@ class DraftSequence:
     row: int
     cached_len: int  # committed tokens whose KV entries sit contiguously in the draft cache
     spec: list[int] = field(default_factory=list)  # the speculation being verified
-    cache: dict[Outcome, tuple[list[int], torch.Tensor | None]] = field(default_factory=dict)
+    cache: dict[Outcome, int] = field(default_factory=dict)  # predicted outcome -> branch
+    branch_tokens: list[list[int]] = field(default_factory=list)  # [branches][K]
+    branch_probs: torch.Tensor | None = None  # [branches, K, V]; None when greedy
 
 
 def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, top: int, c: float) -> torch.Tensor:
@@ -110,9 +112,10 @@ class Speculator:
                 committed = len(seq.token_ids)
                 seq.token_ids += seq.spec[:accepted_len] + [bonus]
                 seq.cached_len = min(seq.cached_len, committed + accepted_len)
-                entry = seq.cache.get(outcome)
-                if entry is not None:
-                    seq.spec, probs[i] = entry
+                branch = seq.cache.get(outcome)
+                if branch is not None:
+                    seq.spec = seq.branch_tokens[branch]
+                    probs[i] = None if seq.branch_probs is None else seq.branch_probs[branch]
                     hit = True
             seq.cache = {}
             hits.append(hit)
@@ -220,7 +223,7 @@ class Speculator:
             probs.append(q.view(B, NB, -1))
         drafted_t = torch.stack(drafted, -1).tolist()  # [B, NB, K]
         probs_t = torch.stack(probs, 2)  # [B, NB, K, V]
-        for b, seq in enumerate(seqs):
-            bonus = first[b].tolist()
-            seq.cache = {(branch_len[j], bonus[j]): (drafted_t[b][j], None if seq.params.greedy else probs_t[b, j])
-                         for j in range(NB)}
+        for b, (seq, bonus) in enumerate(zip(seqs, first.tolist())):
+            seq.cache = dict(zip(zip(branch_len, bonus), range(NB)))
+            seq.branch_tokens = drafted_t[b]
+            seq.branch_probs = None if seq.params.greedy else probs_t[b]

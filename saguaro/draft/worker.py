@@ -14,8 +14,7 @@ import torch
 from saguaro.draft.protocol import (Channel, Hello, Prefill, Ready, Release, Shutdown, Speculation,
                                     SpecRequest)
 from saguaro.draft.speculator import Speculator
-from saguaro.llm import resolve_dtype
-from saguaro.models.loader import is_saguaro_checkpoint, load_checkpoint, load_model
+from saguaro.models.loader import is_saguaro_checkpoint, load_checkpoint, load_model, resolve_dtype
 
 
 def load_draft_model(hello: Hello, device: str):
@@ -25,29 +24,48 @@ def load_draft_model(hello: Hello, device: str):
     return load_model(hello.draft, dtype, device)
 
 
-@torch.inference_mode()
-def serve(channel: Channel, device: str) -> None:
-    hello: Hello = channel.recv()
-    draft = load_draft_model(hello, device)
-    speculator = Speculator(draft, hello.num_speculative_tokens, hello.fan_out, hello.saguaro_c)
-    channel.send(Ready(vocab_size=draft.config.vocab_size, num_layers=draft.config.num_layers, pid=os.getpid()))
-    fill_time = 0.0
-    while True:
-        message = channel.recv()
+class DraftServer:
+    """Turns protocol messages into speculator calls; the worker process and the in-process
+    draft (tests, debugging) share it."""
+
+    def __init__(self, hello: Hello, device: str):
+        draft = load_draft_model(hello, device)
+        self.speculator = Speculator(draft, hello.num_speculative_tokens, hello.fan_out, hello.saguaro_c)
+        self.ready = Ready(vocab_size=draft.config.vocab_size, num_layers=draft.config.num_layers, pid=os.getpid())
+        self.fill_time = 0.0
+        self.pending: list[int] = []  # requests whose cache is to be filled after the reply
+
+    @torch.inference_mode()
+    def handle(self, message) -> Speculation | None:
+        """Applies a message; returns the reply a SpecRequest needs, None otherwise."""
         if isinstance(message, Prefill):
-            speculator.add(message.seq_ids, message.token_ids, message.params, message.max_len)
+            self.speculator.add(message.seq_ids, message.token_ids, message.params, message.max_len)
         elif isinstance(message, SpecRequest):
             if message.fan_out is not None:
-                speculator.fan_out = list(message.fan_out)
+                self.speculator.fan_out = list(message.fan_out)
             start = time.perf_counter()
-            tokens, hits, probs = speculator.speculate(message.seq_ids, message.outcomes, message.backup)
-            backup_time = time.perf_counter() - start
-            channel.send(Speculation(tokens, hits, probs, fill_time, backup_time))
-            fill_time = speculator.fill(message.seq_ids)
+            tokens, hits, probs = self.speculator.speculate(message.seq_ids, message.outcomes, message.backup)
+            self.pending = message.seq_ids
+            return Speculation(tokens, hits, probs, self.fill_time, time.perf_counter() - start)
         elif isinstance(message, Release):
-            speculator.release(message.seq_ids)
-        elif isinstance(message, Shutdown):
-            return
+            self.speculator.release(message.seq_ids)
+        return None
+
+    def fill(self) -> None:
+        """Fills the speculation cache for the requests just answered (overlaps verification)."""
+        if self.pending:
+            self.fill_time = self.speculator.fill(self.pending)
+            self.pending = []
+
+
+def serve(channel: Channel, device: str) -> None:
+    server = DraftServer(channel.recv(), device)
+    channel.send(server.ready)
+    while not isinstance(message := channel.recv(), Shutdown):
+        reply = server.handle(message)
+        if reply is not None:
+            channel.send(reply)
+            server.fill()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -86,8 +86,10 @@ class ARDecoder:
                 raise RuntimeError("no free KV cache row")
             self.rows[seq.seq_id] = free.pop(0)
 
-    def release(self, seq: Sequence) -> None:
-        self.rows.pop(seq.seq_id, None)
+    def release(self, seqs: list[Sequence]) -> None:
+        """Frees the cache rows of finished (or cancelled) sequences."""
+        for seq in seqs:
+            self.rows.pop(seq.seq_id, None)
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """Runs the prompts and commits each sequence's first token."""
@@ -153,9 +155,10 @@ class SDDecoder(ARDecoder):
         if cache is None or cache.num_rows < num_rows or cache.num_slots <= num_slots:
             self.draft_cache = new_cache(self.draft, num_rows, num_slots)
 
-    def release(self, seq: Sequence) -> None:
-        super().release(seq)
-        self.draft_len.pop(seq.seq_id, None)
+    def release(self, seqs: list[Sequence]) -> None:
+        super().release(seqs)
+        for seq in seqs:
+            self.draft_len.pop(seq.seq_id, None)
 
     def prefill(self, seqs: list[Sequence]) -> None:
         super().prefill(seqs)

@@ -78,12 +78,13 @@ class SSDDecoder(ARDecoder):
             except DraftUnavailable as e:
                 self._lose_draft(e)
 
-    def release(self, seq: Sequence) -> None:
-        super().release(seq)
-        self.outcomes.pop(seq.seq_id, None)
-        if not self.draft_lost:
+    def release(self, seqs: list[Sequence]) -> None:
+        super().release(seqs)
+        for seq in seqs:
+            self.outcomes.pop(seq.seq_id, None)
+        if not self.draft_lost and seqs:
             try:
-                self.client.release([seq.seq_id])
+                self.client.release([s.seq_id for s in seqs])
             except DraftUnavailable as e:
                 self._lose_draft(e)
 

@@ -158,6 +158,16 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: t
     return model.to(device).eval().requires_grad_(False)
 
 
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
+    return names[dtype]
+
+
 def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     folder, gguf_file = checkpoint_files(Path(path))
     return read_gguf(gguf_file) if gguf_file else read_hf_folder(folder)

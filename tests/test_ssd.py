@@ -1,0 +1,169 @@
+"""SSD is exact on every path a round can take: a cache hit (with Saguaro sampling at several
+C), a miss answered by the neural backup, a miss answered by the fast backup; and it survives
+the loss of its draft worker without losing or repeating a token.
+
+Statistical checks run the speculator in-process (same protocol messages, no overlap) so the
+negative controls can break it; greedy equality and the fault test use a real worker process.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import NEW_TOKENS
+from saguaro import SamplingParams
+from saguaro.draft import speculator
+from saguaro.draft.client import DraftClient, InProcessDraft, WorkerConfig
+from saguaro.draft.speculator import saguaro_sigma
+from saguaro.engine import decoders
+from saguaro.engine.sequence import Sequence
+from saguaro.engine.ssd import SSDDecoder
+from saguaro.models.loader import save_checkpoint
+from test_exactness import PROMPT, TINY_V, exact_continuations, residual_is_p, tiny_model, tv, tv_bound
+from test_sd import draft_path  # noqa: F401  (fixture)
+
+ROWS = 8_000  # broken rules land near TV 0.2, the noise bound near 0.1
+SSD_K = 1  # with 3 new tokens, a first-round rejection leaves a second round to the tested path
+NEW = 3
+ALL_CANDIDATES = [TINY_V - 1] * (SSD_K + 1)  # every possible bonus is cached: every round hits
+NO_CANDIDATES = [0] * (SSD_K + 1)  # nothing is cached: every round misses
+
+PATHS = {  # name: (fan_out, backup, saguaro_c)
+    "hit-c1": (ALL_CANDIDATES, "neural", 1.0),
+    "hit-c0.5": (ALL_CANDIDATES, "neural", 0.5),
+    "hit-c0.1": (ALL_CANDIDATES, "neural", 0.1),
+    "miss-neural": (NO_CANDIDATES, "neural", 1.0),
+    "miss-fast": (NO_CANDIDATES, "fast", 1.0),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return tiny_model(seed=10, layers=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-draft")
+    save_checkpoint(tiny_model(seed=11, layers=1), folder, dtype=torch.float32, share_embeddings=False)
+    return folder
+
+
+def decode_all(decoder, seqs: list[Sequence]) -> None:
+    """What LLM.generate does: prefill, then rounds until every sequence has finished."""
+    decoder.prefill(seqs)
+    while active := [s for s in seqs if not s.finished]:
+        decoder.step(active)
+        decoder.release([s for s in active if s.finished])
+
+
+def ssd_continuations(target, draft_dir, temperature: float, path: str) -> tuple[torch.Tensor, SSDDecoder]:
+    fan_out, backup, c = PATHS[path]
+    client = InProcessDraft(WorkerConfig(str(draft_dir), "float32", SSD_K, fan_out, c), None)
+    decoder = SSDDecoder(target, client, backup)
+    seqs = [Sequence(i, PROMPT, SamplingParams(temperature=temperature, max_tokens=NEW, seed=i), [])
+            for i in range(ROWS)]
+    decoder.reserve(ROWS, len(PROMPT) + NEW + decoder.lookahead)
+    decode_all(decoder, seqs)
+    return torch.tensor([s.output_ids for s in seqs]), decoder
+
+
+def ssd_tv(target, draft_dir, temperature: float, path: str) -> tuple[float, float, SSDDecoder]:
+    exact = exact_continuations(target, temperature)
+    out, decoder = ssd_continuations(target, draft_dir, temperature, path)
+    counts = torch.bincount((out[:, 0] * TINY_V + out[:, 1]) * TINY_V + out[:, 2], minlength=TINY_V ** 3)
+    return tv(counts, exact), tv_bound(exact, ROWS), decoder
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_ssd_is_exact_on_every_path(tiny_target, tiny_draft_dir, path, temperature):
+    observed, bound, decoder = ssd_tv(tiny_target, tiny_draft_dir, temperature, path)
+    assert observed < bound
+    stats = decoder.stats
+    misses = stats.miss_lengths[PATHS[path][1]]
+    if path.startswith("hit"):
+        assert len(stats.hit_lengths) > ROWS // 10 and not misses  # the path under test really ran
+    else:
+        assert len(misses) > ROWS // 10 and not stats.hit_lengths
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_ssd_check_catches_a_broken_acceptance_rule(tiny_target, tiny_draft_dir, path, monkeypatch):
+    monkeypatch.setattr(decoders, "verify", residual_is_p)
+    observed, bound, _ = ssd_tv(tiny_target, tiny_draft_dir, 1.0, path)
+    assert observed > bound
+
+
+@pytest.mark.parametrize("path", ["hit-c1", "hit-c0.5"])
+def test_ssd_check_catches_a_proposal_other_than_the_one_reported(tiny_target, tiny_draft_dir, path, monkeypatch):
+    """The classic Saguaro-sampling bug: drafting from one distribution, verifying against another."""
+    def sample_elsewhere(probs, u):
+        return decoders.sample(saguaro_sigma(probs, probs.log(), top=2, c=0.1), u)
+
+    monkeypatch.setattr(speculator, "sample", sample_elsewhere)
+    observed, bound, _ = ssd_tv(tiny_target, tiny_draft_dir, 1.0, path)
+    assert observed > bound
+
+
+# --- the real model and a real worker process ---------------------------------------------------
+
+def ssd_decoder(llm, draft_dir, backup: str, budget: int = 4) -> SSDDecoder:
+    from saguaro.draft.fanout import uniform_fan_out
+
+    config = WorkerConfig(str(draft_dir), "float32", 4, uniform_fan_out(budget, 4), cpus=None, timeout_s=60)
+    client = DraftClient(config, llm.target.embed_tokens.weight.detach())
+    return SSDDecoder(llm.target, client, backup)
+
+
+@pytest.fixture
+def with_ssd(llm):
+    """Swaps the shared LLM's decoder for an SSD one and restores it afterwards."""
+    ar_decoder, ar_k = llm.decoder, llm.num_speculative_tokens
+    made = []
+
+    def install(decoder):
+        made.append(decoder)
+        llm.decoder, llm.num_speculative_tokens = decoder, decoder.k
+        return llm
+
+    yield install
+    for decoder in made:
+        decoder.close()
+    llm.decoder, llm.num_speculative_tokens = ar_decoder, ar_k
+
+
+@pytest.mark.parametrize("backup", ["neural", "fast"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_ssd_greedy_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy, backup, batch):  # noqa: F811
+    ssd_llm = with_ssd(ssd_decoder(llm, draft_path, backup))
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    outputs = []
+    for i in range(0, len(prompts), batch):
+        outputs += ssd_llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+    mismatches = [i for i, out in enumerate(outputs) if out.token_ids != ar_greedy[i]]
+    assert not mismatches, f"SSD differs from AR on prompts {mismatches}"
+    summary = ssd_llm.decoder.stats.summary()
+    assert summary["cache_hit_rate"] is not None and 0 < summary["cache_hit_rate"]
+
+
+def test_killing_the_draft_mid_batch_loses_nothing(with_ssd, llm, draft_path, prompts, ar_greedy):  # noqa: F811
+    decoder = ssd_decoder(llm, draft_path, "neural")
+    ssd_llm = with_ssd(decoder)
+    pid = decoder.client.process.pid
+    streamed = {}
+
+    def kill_after_some_tokens(index: int, text: str) -> None:
+        streamed[index] = streamed.get(index, "") + text
+        if len(streamed[index]) > 40 and decoder.client.process.poll() is None:
+            os.kill(pid, signal.SIGKILL)
+
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    with pytest.warns(RuntimeWarning, match="draft worker lost"):
+        outputs = ssd_llm.generate(prompts[:4], params, use_tqdm=False, on_token=kill_after_some_tokens)
+    assert decoder.draft_lost and decoder.client.process.poll() is not None
+    assert [o.token_ids for o in outputs] == ar_greedy[:4]
+    assert all(streamed[i] == outputs[i].text for i in range(4))
