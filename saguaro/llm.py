@@ -61,7 +61,6 @@ class LLM:
         self.tokenizer = load_tokenizer(path)
         self.target = load_model(path, self.dtype, device)
         self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]
-        self.num_speculative_tokens = num_speculative_tokens if method != "ar" else None
         self._ids = itertools.count()
         if method == "ar":
             self.decoder = ARDecoder(self.target)
@@ -167,4 +166,4 @@ class LLM:
         return RequestOutput(
             request_id=seq.seq_id, prompt=prompt, prompt_token_ids=seq.prompt_ids, text=self._text(seq),
             token_ids=seq.output_ids, finish_reason=seq.finish_reason,
-            metrics=RequestMetrics.of(seq.stats, len(seq.output_ids), self.num_speculative_tokens))
+            metrics=RequestMetrics.of(seq.stats, len(seq.output_ids), getattr(self.decoder, "k", None)))

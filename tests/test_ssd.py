@@ -122,18 +122,18 @@ def ssd_decoder(llm, draft_dir, backup: str, budget: int = 4) -> SSDDecoder:
 @pytest.fixture
 def with_ssd(llm):
     """Swaps the shared LLM's decoder for an SSD one and restores it afterwards."""
-    ar_decoder, ar_k = llm.decoder, llm.num_speculative_tokens
+    ar_decoder = llm.decoder
     made = []
 
     def install(decoder):
         made.append(decoder)
-        llm.decoder, llm.num_speculative_tokens = decoder, decoder.k
+        llm.decoder = decoder
         return llm
 
     yield install
     for decoder in made:
         decoder.close()
-    llm.decoder, llm.num_speculative_tokens = ar_decoder, ar_k
+    llm.decoder = ar_decoder
 
 
 @pytest.mark.parametrize("backup", ["neural", "fast"])
@@ -167,3 +167,48 @@ def test_killing_the_draft_mid_batch_loses_nothing(with_ssd, llm, draft_path, pr
     assert decoder.draft_lost and decoder.client.process.poll() is not None
     assert [o.token_ids for o in outputs] == ar_greedy[:4]
     assert all(streamed[i] == outputs[i].text for i in range(4))
+
+
+# --- the worker process: ports, attaching, clean exits ---------------------------------------------
+
+def greedy_tiny(decoder, count: int = 3) -> list[list[int]]:
+    seqs = [Sequence(i, PROMPT + [i % TINY_V], SamplingParams(temperature=0, max_tokens=6), []) for i in range(count)]
+    decoder.reserve(count, len(PROMPT) + 1 + 6 + decoder.lookahead)
+    decode_all(decoder, seqs)
+    return [s.output_ids for s in seqs]
+
+
+def tiny_worker_config(draft_dir, address: str | None = None) -> WorkerConfig:
+    return WorkerConfig(str(draft_dir), "float32", 2, [1, 1, 1], address=address, timeout_s=30)
+
+
+def test_two_engines_share_a_host_and_leave_no_process(tiny_target, tiny_draft_dir):
+    reference = greedy_tiny(decoders.ARDecoder(tiny_target))
+    engines = [SSDDecoder(tiny_target, DraftClient(tiny_worker_config(tiny_draft_dir), None)) for _ in range(2)]
+    assert engines[0].client.channel.port != engines[1].client.channel.port
+    for engine in engines:
+        assert greedy_tiny(engine) == reference
+    processes = [e.client.process for e in engines]
+    for engine in engines:
+        engine.close()
+    assert all(p.poll() is not None for p in processes)
+
+
+def test_a_worker_started_elsewhere_attaches_by_address(tiny_target, tiny_draft_dir):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = subprocess.Popen([sys.executable, "-m", "saguaro.draft.worker", "--connect", f"127.0.0.1:{port}"])
+    try:
+        engine = SSDDecoder(tiny_target, DraftClient(tiny_worker_config(tiny_draft_dir, f"127.0.0.1:{port}"), None))
+        assert engine.client.process is None and engine.client.ready.pid == worker.pid
+        assert greedy_tiny(engine) == greedy_tiny(decoders.ARDecoder(tiny_target))
+        engine.close()
+        assert worker.wait(timeout=10) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()

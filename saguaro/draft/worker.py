@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--connect", required=True, help="HOST:PORT of the engine")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cpus", default=None, help="CPU cores to pin to, e.g. '1' or '2,3'")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the engine")
+    parser.add_argument("--timeout", type=float, default=7 * 24 * 3600.0,
+                        help="seconds to wait for the engine (to connect, and between messages)")
     args = parser.parse_args(argv)
     if args.cpus:
         cores = {int(c) for c in args.cpus.split(",")}
