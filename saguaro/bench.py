@@ -128,6 +128,38 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
     return result
 
 
+def fan_out_sweep(config: BenchConfig, fan_outs: list[int], temperature: float = 0.0,
+                  out_dir: Path | None = None) -> dict:
+    """Cache hit rate of SSD against a uniform fan-out F (F candidates per accepted length),
+    and the power law 1 - p_hit = F^-r fitted to it (Definition 11)."""
+    from saguaro.draft.fanout import fit_power_law
+
+    llm = LLM(config.model, draft=config.draft, method="ssd", num_speculative_tokens=config.num_speculative_tokens,
+              dtype=config.dtype, fan_out=[max(fan_outs)] * (config.num_speculative_tokens + 1),
+              saguaro_c=config.saguaro_c, backup=config.backup)
+    prompts = bench_prompts(llm, config)
+    points = []
+    try:
+        for f in tqdm(fan_outs, desc="fan-out sweep"):
+            llm.decoder.set_fan_out([f] * (config.num_speculative_tokens + 1))
+            llm.decoder.stats = SSDStats()
+            params = SamplingParams(temperature=temperature, max_tokens=config.max_tokens,
+                                    ignore_eos=config.ignore_eos, seed=config.seed)
+            for prompt in prompts:
+                llm.generate([prompt], params, use_tqdm=False)
+            summary = llm.decoder.stats.summary()
+            points.append({"fan_out": f, "cache_hit_rate": summary["cache_hit_rate"],
+                           "t_p_median": summary["t_p_median"]})
+    finally:
+        llm.close()
+    r = fit_power_law([p["fan_out"] for p in points], [1 - p["cache_hit_rate"] for p in points])
+    result = {"temperature": temperature, "points": points, "power_law_r": r}
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"fan_out_t{temperature}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 def environment() -> dict:
     import os
 

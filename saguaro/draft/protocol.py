@@ -41,6 +41,7 @@ class Prefill:
     token_ids: list[list[int]]
     params: list[SamplingParams]
     max_len: int  # longest a sequence may grow, for the draft's KV cache
+    num_rows: int  # requests the target may hold at once
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.engine.decoders import autoregressive_draft, new_cache
+from saguaro.engine.decoders import autoregressive_draft, ensure_cache
 from saguaro.engine.kv_cache import KVCache
 from saguaro.engine.runner import forward_chunks
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
@@ -63,26 +63,33 @@ def ngram_guess(tokens: list[int], k: int) -> list[int]:
 
 class Speculator:
     def __init__(self, draft: LlamaModel, k: int, fan_out: list[int], saguaro_c: float = 1.0):
-        if len(fan_out) != k + 1:
-            raise ValueError(f"fan_out needs K+1 = {k + 1} entries, got {len(fan_out)}")
-        self.draft, self.k, self.fan_out, self.saguaro_c = draft, k, list(fan_out), saguaro_c
+        self.draft, self.k, self.saguaro_c = draft, k, saguaro_c
         self.cache: KVCache | None = None
         self.seqs: dict[int, DraftSequence] = {}
+        self.max_len = 0
+        self.set_fan_out(fan_out)
+
+    def set_fan_out(self, fan_out: list[int]) -> None:
+        if len(fan_out) != self.k + 1:
+            raise ValueError(f"fan_out needs K+1 = {self.k + 1} entries, got {len(fan_out)}")
+        self.fan_out = list(fan_out)
+        if self.cache is not None:
+            self.reserve(self.cache.num_rows, self.max_len)
 
     @property
     def num_branches(self) -> int:
         return sum(self.fan_out)
 
     def reserve(self, num_rows: int, num_slots: int) -> None:
+        """Rows for num_rows requests; slots for num_slots tokens, the glue and the tree."""
         tree = self.k * self.num_branches
-        needed = num_slots + self.k + 1 + tree
-        if self.cache is None or self.cache.num_rows < num_rows or self.cache.num_slots <= needed:
-            self.cache = new_cache(self.draft, max(num_rows, 1), needed)
+        self.max_len = max(self.max_len, num_slots)
+        self.cache = ensure_cache(self.cache, self.draft, num_rows, num_slots + self.k + 1 + tree)
 
     def add(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
-            max_len: int) -> None:
+            max_len: int, num_rows: int) -> None:
         """Registers requests (prompt + first token) and runs their prompts through the draft."""
-        self.reserve(len(self.seqs) + len(seq_ids), max_len)
+        self.reserve(max(num_rows, len(self.seqs) + len(seq_ids)), max_len)
         free = sorted(set(range(self.cache.num_rows)) - {s.row for s in self.seqs.values()})
         new = []
         for sid, ids, p in zip(seq_ids, token_ids, params):

@@ -39,10 +39,11 @@ class DraftServer:
     def handle(self, message) -> Speculation | None:
         """Applies a message; returns the reply a SpecRequest needs, None otherwise."""
         if isinstance(message, Prefill):
-            self.speculator.add(message.seq_ids, message.token_ids, message.params, message.max_len)
+            self.speculator.add(message.seq_ids, message.token_ids, message.params, message.max_len,
+                                message.num_rows)
         elif isinstance(message, SpecRequest):
             if message.fan_out is not None:
-                self.speculator.fan_out = list(message.fan_out)
+                self.speculator.set_fan_out(message.fan_out)
             start = time.perf_counter()
             tokens, hits, probs = self.speculator.speculate(message.seq_ids, message.outcomes, message.backup)
             self.pending = message.seq_ids

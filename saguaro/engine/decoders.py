@@ -23,6 +23,20 @@ def new_cache(model: LlamaModel, num_rows: int, num_slots: int) -> KVCache:
     return KVCache(model.config, num_rows, num_slots + 1, model.dtype, model.device)
 
 
+def ensure_cache(cache: KVCache | None, model: LlamaModel, num_rows: int, num_slots: int) -> KVCache:
+    """A cache with at least num_rows rows of num_slots usable slots. Growing keeps what the
+    old cache held, so sequences in flight survive a larger batch joining them."""
+    if cache is not None and cache.num_rows >= num_rows and cache.num_slots > num_slots:
+        return cache
+    grown = new_cache(model, max(num_rows, cache.num_rows if cache else 0),
+                      max(num_slots, cache.num_slots - 1 if cache else 0))
+    if cache is not None:
+        rows, slots = cache.num_rows, cache.num_slots
+        grown.keys[:, :rows, :, :slots] = cache.keys
+        grown.values[:, :rows, :, :slots] = cache.values
+    return grown
+
+
 def point_masses(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, K] tokens -> [B, K, V] distributions with all mass on each token."""
     return torch.zeros(*tokens.shape, vocab_size, device=tokens.device).scatter_(-1, tokens[..., None], 1.0)
@@ -76,8 +90,7 @@ class ARDecoder:
 
     def reserve(self, num_rows: int, num_slots: int) -> None:
         """Makes room for num_rows sequences of up to num_slots tokens each."""
-        if self.cache is None or self.cache.num_rows < num_rows or self.cache.num_slots <= num_slots:
-            self.cache = new_cache(self.target, num_rows, num_slots)
+        self.cache = ensure_cache(self.cache, self.target, num_rows, num_slots)
 
     def assign_rows(self, seqs: list[Sequence]) -> None:
         free = sorted(set(range(self.cache.num_rows)) - set(self.rows.values()))
@@ -151,9 +164,7 @@ class SDDecoder(ARDecoder):
 
     def reserve(self, num_rows: int, num_slots: int) -> None:
         super().reserve(num_rows, num_slots)
-        cache = self.draft_cache
-        if cache is None or cache.num_rows < num_rows or cache.num_slots <= num_slots:
-            self.draft_cache = new_cache(self.draft, num_rows, num_slots)
+        self.draft_cache = ensure_cache(self.draft_cache, self.draft, num_rows, num_slots)
 
     def release(self, seqs: list[Sequence]) -> None:
         super().release(seqs)

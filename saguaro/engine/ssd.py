@@ -62,6 +62,14 @@ class SSDDecoder(ARDecoder):
         self.outcomes: dict[int, tuple[int, int] | None] = {}
         self.stats = SSDStats()
         self.draft_lost = False
+        self.fan_out = list(client.config.fan_out)
+        self._new_fan_out: list[int] | None = None
+
+    def set_fan_out(self, fan_out: list[int]) -> None:
+        """Re-plans the branches per accepted length; the worker gets it with the next request."""
+        if len(fan_out) != self.k + 1:
+            raise ValueError(f"fan_out needs K+1 = {self.k + 1} entries")
+        self.fan_out = self._new_fan_out = list(fan_out)
 
     @property
     def lookahead(self) -> int:
@@ -74,7 +82,7 @@ class SSDDecoder(ARDecoder):
         if not self.draft_lost:
             try:
                 self.client.prefill([s.seq_id for s in seqs], [s.token_ids for s in seqs],
-                                    [s.params for s in seqs], self.cache.num_slots - 1)
+                                    [s.params for s in seqs], self.cache.num_slots - 1, self.cache.num_rows)
             except DraftUnavailable as e:
                 self._lose_draft(e)
 
@@ -95,7 +103,8 @@ class SSDDecoder(ARDecoder):
         outcomes = [self.outcomes[s.seq_id] for s in seqs]
         asked = time.perf_counter()
         try:
-            spec = self.client.speculate(SpecRequest([s.seq_id for s in seqs], outcomes, backup))
+            spec = self.client.speculate(SpecRequest([s.seq_id for s in seqs], outcomes, backup, self._new_fan_out))
+            self._new_fan_out = None
         except DraftUnavailable as e:
             self._lose_draft(e)
             return super().step(seqs)
