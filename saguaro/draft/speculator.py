@@ -131,13 +131,13 @@ class Speculator:
             tokens, q = self._draft_now([seqs[i] for i in missed])
             for j, i in enumerate(missed):
                 seqs[i].spec = tokens[j].tolist()
-                probs[i] = None if seqs[i].params.greedy else q[j]
+                probs[i] = None if q is None or seqs[i].params.greedy else q[j]
         else:
             for i in missed:
                 seqs[i].spec, probs[i] = ngram_guess(seqs[i].token_ids, self.k), None
         return [s.spec for s in seqs], hits, probs
 
-    def _draft_now(self, seqs: list[DraftSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft_now(self, seqs: list[DraftSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
         chunks = [s.token_ids[s.cached_len:] for s in seqs]
         starts = [s.cached_len for s in seqs]
         tokens, probs = autoregressive_draft(
@@ -224,13 +224,16 @@ class Speculator:
             slots = (base[:, None] + depth * NB + branch[None]).expand(B, NB)
             hidden = self.draft(tokens, positions, self.cache, rows=rows, slots=slots, mask=mask)
             logits = self.draft.logits(hidden).flatten(0, 1)
-            q = self._sigma(depth, warp(logits, params), logits)
-            tokens = sample(q, u[:, :, depth].flatten()).view(B, NB)
+            if params.all_greedy:
+                tokens = logits.argmax(-1).view(B, NB)
+            else:
+                q = self._sigma(depth, warp(logits, params), logits)
+                tokens = sample(q, u[:, :, depth].flatten()).view(B, NB)
+                probs.append(q.view(B, NB, -1))
             drafted.append(tokens)
-            probs.append(q.view(B, NB, -1))
         drafted_t = torch.stack(drafted, -1).tolist()  # [B, NB, K]
-        probs_t = torch.stack(probs, 2)  # [B, NB, K, V]
+        probs_t = torch.stack(probs, 2) if probs else None  # [B, NB, K, V]
         for b, (seq, bonus) in enumerate(zip(seqs, first.tolist())):
             seq.cache = dict(zip(zip(branch_len, bonus), range(NB)))
             seq.branch_tokens = drafted_t[b]
-            seq.branch_probs = None if seq.params.greedy else probs_t[b]
+            seq.branch_probs = None if probs_t is None or seq.params.greedy else probs_t[b]

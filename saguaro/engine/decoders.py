@@ -50,23 +50,27 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
 
     reshape(i, probs, logits) may change the distribution draft token i is sampled from (Saguaro
     sampling); the returned distributions are the ones really sampled from.
-    Returns tokens [B, K] and distributions [B, K, V]."""
+    Returns tokens [B, K] and distributions [B, K, V], or None when every row is greedy (the
+    drafts are then argmaxes: point masses, which verification rebuilds from the tokens)."""
     k = u.shape[1]
     hidden = last_hidden(forward_chunks(model, cache, rows, chunks, starts), chunks)
     ends = [s + len(c) for s, c in zip(starts, chunks)]
     tokens, probs = [], []
     for i in range(k):
         logits = model.logits(hidden)
-        q = warp(logits, params)
-        if reshape is not None:
-            q = reshape(i, q, logits)
-        token = sample(q, u[:, i])
+        if params.all_greedy:
+            token = logits.argmax(-1)
+        else:
+            q = warp(logits, params)
+            if reshape is not None:
+                q = reshape(i, q, logits)
+            token = sample(q, u[:, i])
+            probs.append(q)
         tokens.append(token)
-        probs.append(q)
         if i < k - 1:
             step = [[t] for t in token.tolist()]
             hidden = forward_chunks(model, cache, rows, step, [e + i for e in ends])[:, 0]
-    return torch.stack(tokens, 1), torch.stack(probs, 1)
+    return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None
 
 
 def sample_next(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -178,8 +182,9 @@ class SDDecoder(ARDecoder):
         for seq in seqs:
             self.draft_len[seq.seq_id] = len(seq.prompt_ids)
 
-    def propose(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """K draft tokens per sequence [B, K] and the distributions they came from [B, K, V]."""
+    def propose(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K draft tokens per sequence [B, K] and the distributions they came from [B, K, V]
+        (None: point masses)."""
         chunks = [s.token_ids[self.draft_len[s.seq_id]:] for s in seqs]
         starts = [self.draft_len[s.seq_id] for s in seqs]
         params = WarpParams.of([s.params for s in seqs], self.draft.device)
@@ -195,7 +200,7 @@ class SDDecoder(ARDecoder):
         self.verify_and_commit(seqs, draft_tokens, draft_probs)
 
     def verify_and_commit(self, seqs: list[Sequence], draft_tokens: torch.Tensor,
-                          draft_probs: torch.Tensor) -> list[tuple[int, int]]:
+                          draft_probs: torch.Tensor | None) -> list[tuple[int, int]]:
         committed_before = [len(s) for s in seqs]
         outcomes = super().verify_and_commit(seqs, draft_tokens, draft_probs)
         for seq, n, (k, _) in zip(seqs, committed_before, outcomes):

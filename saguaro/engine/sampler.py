@@ -45,16 +45,19 @@ class WarpParams:
     temperature: torch.Tensor  # [N]; 0 means greedy
     top_k: torch.Tensor  # [N]; <= 0 means off
     top_p: torch.Tensor  # [N]
+    all_greedy: bool  # every row greedy: drafts are argmaxes, their distributions point masses
 
     @classmethod
     def of(cls, params: list[SamplingParams], device="cpu") -> "WarpParams":
         return cls(torch.tensor([p.temperature for p in params], device=device),
                    torch.tensor([p.top_k for p in params], device=device),
-                   torch.tensor([p.top_p for p in params], device=device))
+                   torch.tensor([p.top_p for p in params], device=device),
+                   all(p.greedy for p in params))
 
     def repeat(self, n: int) -> "WarpParams":
         """Each row's parameters n times in a row (for [B, n, V] logits flattened to [B*n, V])."""
-        return WarpParams(*(t.repeat_interleave(n) for t in (self.temperature, self.top_k, self.top_p)))
+        return WarpParams(*(t.repeat_interleave(n) for t in (self.temperature, self.top_k, self.top_p)),
+                          self.all_greedy)
 
 
 def warp(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
