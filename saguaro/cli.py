@@ -1,0 +1,174 @@
+"""The `saguaro` command: fetch models, generate text, chat, distill drafts."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from saguaro.models import hub
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=hub.DEFAULT_MODEL, help="a known name or a checkpoint path (default: %(default)s)")
+    group.add_argument("--draft", help="draft model for speculative decoding: a known name or a checkpoint path")
+    group.add_argument("--method", help="decoding method, ar or sd (default: sd with --draft, else ar)")
+    group.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per round (default: %(default)s)")
+    group.add_argument("--dtype", default="auto", help="auto (bf16), bf16, fp16 or fp32 (default: %(default)s)")
+    group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    group.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=-1, help="-1: off (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    group.add_argument("--max-tokens", type=int, default=256, help="(default: %(default)s)")
+    group.add_argument("--seed", type=int, help="makes sampling reproducible")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text ends before it")
+    group.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    group.add_argument("--metrics", action="store_true", help="print each request's metrics to stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="saguaro", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    pull = commands.add_parser("pull", help="fetch a known model into the local cache")
+    pull.add_argument("name", choices=sorted(hub.KNOWN_MODELS))
+
+    generate = commands.add_parser("generate", help="complete prompts (streams a single prompt)")
+    generate.add_argument("prompts", nargs="*", metavar="PROMPT")
+    generate.add_argument("--file", type=Path, help="read prompts from a file, one per line")
+    generate.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
+    add_model_arguments(generate)
+    add_sampling_arguments(generate)
+
+    chat = commands.add_parser("chat", help="interactive chat (type /exit to leave, /reset to start over)")
+    chat.add_argument("--system", help="system prompt")
+    add_model_arguments(chat)
+    add_sampling_arguments(chat)
+
+    # Its own parser (saguaro.distill.cli) takes the remaining arguments, so it loads only when used.
+    commands.add_parser("distill", add_help=False, help="distill a draft for a target (saguaro distill --help)")
+    return parser
+
+
+def make_llm(args: argparse.Namespace):
+    from saguaro import LLM
+
+    method = args.method or ("sd" if args.draft else "ar")
+    return LLM(args.model, draft=args.draft, method=method, num_speculative_tokens=args.num_speculative_tokens,
+               device=args.device, dtype=args.dtype, num_threads=args.threads)
+
+
+def sampling_params(args: argparse.Namespace):
+    from saguaro import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def format_metrics(index: int, m) -> str:
+    parts = [f"prompt {m.num_prompt_tokens} tok", f"output {m.num_output_tokens} tok", f"TTFT {m.ttft_s * 1000:.0f} ms",
+             f"decode {m.decode_tokens_per_s:.1f} tok/s", f"end-to-end {m.e2e_tokens_per_s:.1f} tok/s",
+             f"{m.num_rounds} rounds"]
+    if m.mean_acceptance_length is not None:
+        parts.append(f"acceptance length {m.mean_acceptance_length:.2f}")
+        parts.append("per position " + " ".join(f"{a:.2f}" for a in m.per_position_acceptance))
+    if m.cache_hit_rate is not None:
+        parts.append(f"cache hit rate {m.cache_hit_rate:.2f}")
+    return f"[metrics {index}] " + ", ".join(parts)
+
+
+def stream(index: int, text: str) -> None:
+    print(text, end="", flush=True)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts)
+    if args.file:
+        prompts += [line for line in args.file.read_text().splitlines() if line.strip()]
+    return prompts
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    prompts = read_prompts(args)
+    if not prompts:
+        raise ValueError("no prompt: give one or more PROMPT arguments or --file")
+    params = sampling_params(args)  # checked before the model loads
+    llm = make_llm(args)
+    inputs = [[{"role": "user", "content": p}] if args.chat else p for p in prompts]
+    single = len(inputs) == 1
+    outputs = llm.generate(inputs, params, use_tqdm=not single, on_token=stream if single else None)
+    if single:
+        print()
+    else:
+        for i, out in enumerate(outputs):
+            print(f"=== {i} ===\n{out.text}")
+    if args.metrics:
+        for i, out in enumerate(outputs):
+            print(format_metrics(i, out.metrics), file=sys.stderr)
+
+
+def run_chat(args: argparse.Namespace) -> None:
+    params = sampling_params(args)
+    llm = make_llm(args)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
+    print("saguaro chat: /exit to leave, /reset to start over", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except EOFError:
+            print()
+            return
+        if line == "/exit":
+            return
+        if line == "/reset":
+            history = list(start)
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            out = llm.generate([history], params, use_tqdm=False, on_token=stream)[0]
+        except ValueError as e:  # the conversation outgrew the context
+            history.pop()
+            print(f"saguaro: {e}; /reset to start over", file=sys.stderr)
+            continue
+        print()
+        history.append({"role": "assistant", "content": out.text})
+        if args.metrics:
+            print(format_metrics(0, out.metrics), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "distill":
+        from saguaro.distill.cli import cli_main
+
+        cli_main(rest)
+        return 0
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if args.command == "pull":
+            print(hub.pull(args.name))
+        elif args.command == "generate":
+            run_generate(args)
+        else:
+            run_chat(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"saguaro: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

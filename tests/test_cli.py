@@ -1,0 +1,107 @@
+"""The `saguaro` command: one real run of the installed entry point on the default model, and
+the rest in-process with the session's model standing in for a fresh load."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import saguaro
+from saguaro import SamplingParams
+from saguaro.cli import main
+
+
+def test_generate_entry_point_on_the_default_model(llm):
+    command = [str(Path(sys.executable).parent / "saguaro"), "generate", "--temperature", "0", "--max-tokens", "8",
+               "--dtype", "fp32", "--ignore-eos", "--metrics", "def add(a, b):"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    expected = llm.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                            use_tqdm=False)[0]
+    assert result.stdout == expected.text + "\n"
+    assert "output 8 tok" in result.stderr and "decode" in result.stderr
+
+
+@pytest.fixture
+def loads(llm, monkeypatch) -> list[dict]:
+    """Makes saguaro.LLM return the session's model; records the arguments of each load."""
+    calls = []
+
+    def fake_llm(model, **kwargs):
+        calls.append({"model": model, **kwargs})
+        return llm
+
+    monkeypatch.setattr(saguaro, "LLM", fake_llm)
+    return calls
+
+
+def greedy(llm, prompt, n: int = 6) -> str:
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)[0].text
+
+
+def test_generate_streams_one_prompt(llm, loads, capsys):
+    assert main(["generate", "--temperature", "0", "--max-tokens", "6", "--threads", "1", "Once upon a time"]) == 0
+    assert capsys.readouterr().out == greedy(llm, "Once upon a time") + "\n"
+    assert loads == [{"model": "smollm2", "draft": None, "method": "ar", "num_speculative_tokens": 5,
+                      "device": "cpu", "dtype": "auto", "num_threads": 1}]
+
+
+def test_generate_many_prompts_from_args_and_file(llm, loads, capsys, tmp_path):
+    file = tmp_path / "prompts.txt"
+    file.write_text("The sky is\n\nimport numpy as np\n")
+    assert main(["generate", "--temperature", "0", "--max-tokens", "6", "--file", str(file), "Hello"]) == 0
+    expected = llm.generate(["Hello", "The sky is", "import numpy as np"], SamplingParams(temperature=0, max_tokens=6),
+                            use_tqdm=False)
+    assert capsys.readouterr().out == "".join(f"=== {i} ===\n{out.text}\n" for i, out in enumerate(expected))
+
+
+def test_generate_chat_template_and_metrics(llm, loads, capsys):
+    assert main(["generate", "--chat", "--temperature", "0", "--max-tokens", "6", "--metrics", "Hi!"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == greedy(llm, [{"role": "user", "content": "Hi!"}]) + "\n"
+    assert captured.err.startswith("[metrics 0] prompt ")
+
+
+def test_draft_selects_speculative_decoding(loads, capsys):
+    main(["generate", "--draft", "some/draft", "-k", "3", "--max-tokens", "2", "x"])
+    assert loads[0]["method"] == "sd" and loads[0]["draft"] == "some/draft" and loads[0]["num_speculative_tokens"] == 3
+
+
+def test_chat_keeps_history(llm, loads, capsys, monkeypatch):
+    lines = iter(["Name a fruit.", "", "And a color?", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--temperature", "0", "--max-tokens", "5", "--system", "Be brief."]) == 0
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."}]
+    answer = greedy(llm, first, 5)
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And a color?"}]
+    assert capsys.readouterr().out == f"{answer}\n{greedy(llm, second, 5)}\n"
+
+
+def test_chat_ends_at_end_of_input(loads, capsys, monkeypatch):
+    def no_more(prompt=""):
+        raise EOFError
+
+    monkeypatch.setattr("builtins.input", no_more)
+    assert main(["chat"]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate"], "no prompt"),
+    (["generate", "--temperature", "-1", "x"], "temperature"),
+    (["generate", "--model", "/no/such/model", "x"], "no model at"),
+])
+def test_errors_are_reported_plainly(argv, message, capsys):
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_method_is_an_error(capsys):
+    assert main(["generate", "--method", "magic", "x"]) == 1
+    assert "unknown method" in capsys.readouterr().err
+
+
+def test_unknown_arguments_are_rejected(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--no-such-flag", "x"])
