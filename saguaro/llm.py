@@ -125,7 +125,7 @@ class LLM:
         params = list(params) if isinstance(params, SequenceABC) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        seqs = [Sequence(next(self._ids), self.encode(p), sp, self.eos_token_ids) for p, sp in zip(prompts, params)]
+        seqs = [self.new_sequence(self.encode(p), sp) for p, sp in zip(prompts, params)]
         longest = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) + self.decoder.lookahead
         limit = self.target.config.max_position_embeddings
         if longest > limit:
@@ -136,10 +136,11 @@ class LLM:
         with tqdm(total=total, desc="generating", unit="tok", disable=not use_tqdm) as bar:
             def after_round(active: list[Sequence]) -> None:
                 for seq in active:
-                    self._stop_strings(seq)
+                    if on_token is None and not seq.params.stop:
+                        continue
+                    text = self.committed_text(seq)  # also ends seq at its first stop string
                     if on_token is not None:
                         i = seqs.index(seq)
-                        text = self._text(seq)
                         if len(text) > len(streamed[i]) and text.startswith(streamed[i]):
                             on_token(i, text[len(streamed[i]):])
                             streamed[i] = text
@@ -154,16 +155,21 @@ class LLM:
                 after_round(active)
         return [self._output(seq, prompt) for seq, prompt in zip(seqs, prompts)]
 
-    def _stop_strings(self, seq: Sequence) -> None:
-        if seq.params.stop:
-            seq.check_stop_strings(self.tokenizer.decode(seq.output_ids, skip_special_tokens=True))
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """A request for this engine's decoder, with an id unique in this LLM (generate and the
+        server's scheduler both make them)."""
+        return Sequence(next(self._ids), prompt_ids, params, self.eos_token_ids)
 
-    def _text(self, seq: Sequence) -> str:
+    def committed_text(self, seq: Sequence) -> str:
+        """The text of seq's committed tokens; a stop string found in it ends seq and cuts the
+        text before it."""
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        if seq.params.stop:
+            seq.check_stop_strings(text)
         return text if seq.text_limit is None else text[:seq.text_limit]
 
     def _output(self, seq: Sequence, prompt: Prompt) -> RequestOutput:
         return RequestOutput(
-            request_id=seq.seq_id, prompt=prompt, prompt_token_ids=seq.prompt_ids, text=self._text(seq),
+            request_id=seq.seq_id, prompt=prompt, prompt_token_ids=seq.prompt_ids, text=self.committed_text(seq),
             token_ids=seq.output_ids, finish_reason=seq.finish_reason,
             metrics=RequestMetrics.of(seq.stats, len(seq.output_ids), getattr(self.decoder, "k", None)))
