@@ -1,4 +1,4 @@
-"""The `saguaro` command: fetch models, generate text, chat, distill drafts."""
+"""The `saguaro` command: fetch models, generate text, chat, distill drafts, serve over HTTP."""
 from __future__ import annotations
 
 import argparse
@@ -12,11 +12,24 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=hub.DEFAULT_MODEL, help="a known name or a checkpoint path (default: %(default)s)")
     group.add_argument("--draft", help="draft model for speculative decoding: a known name or a checkpoint path")
-    group.add_argument("--method", help="decoding method, ar or sd (default: sd with --draft, else ar)")
+    group.add_argument("--method", choices=["ar", "sd", "ssd"],
+                       help="ar, sd (draft in this process) or ssd (draft in its own process) "
+                            "(default: sd with --draft, else ar)")
     group.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per round (default: %(default)s)")
     group.add_argument("--dtype", default="auto", help="auto (bf16), bf16, fp16 or fp32 (default: %(default)s)")
     group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     group.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    ssd = parser.add_argument_group("SSD (--method ssd)")
+    ssd.add_argument("--fan-out", default="geometric",
+                     help="geometric, uniform, or K+1 comma-separated counts of cached bonus tokens per "
+                          "accepted length (default: %(default)s)")
+    ssd.add_argument("--fan-out-budget", type=int, default=16, help="branches per request (default: %(default)s)")
+    ssd.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling constant C, 1 = off (default: %(default)s)")
+    ssd.add_argument("--backup", choices=["auto", "neural", "fast"], default="auto",
+                     help="speculation on a cache miss (default: %(default)s, by batch size)")
+    ssd.add_argument("--draft-device", default="cpu", help="the draft worker's device (default: %(default)s)")
+    ssd.add_argument("--draft-address", help="HOST:PORT to await a worker started elsewhere "
+                                             "(python -m saguaro.draft.worker --connect HOST:PORT)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Its own parser (saguaro.distill.cli) takes the remaining arguments, so it loads only when used.
     commands.add_parser("distill", add_help=False, help="distill a draft for a target (saguaro distill --help)")
+    bench = commands.add_parser("bench", help="AR, SD and SSD side by side (writes bench.json and bench.md)")
+    bench.add_argument("--model", default=hub.DEFAULT_MODEL)
+    bench.add_argument("--draft", help="default: the model's shipped draft")
+    bench.add_argument("--methods", default="ar,sd,ssd")
+    bench.add_argument("--dataset", choices=["humaneval", "sharegpt", "random"], default="humaneval")
+    bench.add_argument("--num-prompts", type=int, default=10)
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--temperatures", default="0,0.7")
+    bench.add_argument("--batch-sizes", default="1")
+    bench.add_argument("-k", "--num-speculative-tokens", type=int, default=5)
+    bench.add_argument("--fan-out", default="geometric")
+    bench.add_argument("--fan-out-budget", type=int, default=16)
+    bench.add_argument("--saguaro-c", type=float, default=1.0)
+    bench.add_argument("--backup", choices=["auto", "neural", "fast"], default="auto")
+    bench.add_argument("--dtype", default="bfloat16")
+    bench.add_argument("--no-ignore-eos", action="store_true", help="stop at end-of-sequence (default: decode max tokens)")
+    bench.add_argument("--fan-out-sweep", help="instead: SSD hit rate for these uniform fan-outs, e.g. 1,2,4,8")
+    bench.add_argument("--out", type=Path, default=Path("bench_out"))
+    commands.add_parser("serve", add_help=False,
+                        help="serve a model over an OpenAI-compatible HTTP API (saguaro serve --help)")
     return parser
 
 
@@ -59,8 +92,11 @@ def make_llm(args: argparse.Namespace):
     from saguaro import LLM
 
     method = args.method or ("sd" if args.draft else "ar")
+    fan_out = args.fan_out if args.fan_out in ("geometric", "uniform") else [int(f) for f in args.fan_out.split(",")]
     return LLM(args.model, draft=args.draft, method=method, num_speculative_tokens=args.num_speculative_tokens,
-               device=args.device, dtype=args.dtype, num_threads=args.threads)
+               device=args.device, dtype=args.dtype, num_threads=args.threads, fan_out=fan_out,
+               fan_out_budget=args.fan_out_budget, saguaro_c=args.saguaro_c, backup=args.backup,
+               draft_device=args.draft_device, draft_address=args.draft_address)
 
 
 def sampling_params(args: argparse.Namespace):
@@ -91,6 +127,28 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.file:
         prompts += [line for line in args.file.read_text().splitlines() if line.strip()]
     return prompts
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from saguaro import bench
+
+    numbers = lambda text, kind: [kind(x) for x in text.split(",")]  # noqa: E731
+    fan_out = args.fan_out if args.fan_out in ("geometric", "uniform") else numbers(args.fan_out, int)
+    config = bench.BenchConfig(
+        model=args.model, draft=args.draft, methods=args.methods.split(","), dataset=args.dataset,
+        num_prompts=args.num_prompts, max_tokens=args.max_tokens, temperatures=numbers(args.temperatures, float),
+        batch_sizes=numbers(args.batch_sizes, int), num_speculative_tokens=args.num_speculative_tokens,
+        fan_out=fan_out, fan_out_budget=args.fan_out_budget, saguaro_c=args.saguaro_c, backup=args.backup,
+        dtype=args.dtype, ignore_eos=not args.no_ignore_eos)
+    if args.fan_out_sweep:
+        for temperature in config.temperatures:
+            result = bench.fan_out_sweep(config, numbers(args.fan_out_sweep, int), temperature, args.out)
+            print(f"temperature {temperature}: r = {result['power_law_r']:.3f}; " + ", ".join(
+                f"F={p['fan_out']}: hit {p['cache_hit_rate']:.3f}" for p in result["points"]))
+        return 0
+    result = bench.run(config, args.out)
+    print(bench.markdown_table(result["summary"]))
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -152,8 +210,14 @@ def main(argv: list[str] | None = None) -> int:
 
         cli_main(rest)
         return 0
+    if args.command == "serve":
+        from saguaro.server.serve import main as serve_main
+
+        return serve_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "bench":
+        return run_bench(args)
     try:
         if args.command == "pull":
             print(hub.pull(args.name))

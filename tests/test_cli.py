@@ -44,8 +44,15 @@ def greedy(llm, prompt, n: int = 6) -> str:
 def test_generate_streams_one_prompt(llm, loads, capsys):
     assert main(["generate", "--temperature", "0", "--max-tokens", "6", "--threads", "1", "Once upon a time"]) == 0
     assert capsys.readouterr().out == greedy(llm, "Once upon a time") + "\n"
-    assert loads == [{"model": "smollm2", "draft": None, "method": "ar", "num_speculative_tokens": 5,
-                      "device": "cpu", "dtype": "auto", "num_threads": 1}]
+    assert len(loads) == 1 and {k: loads[0][k] for k in ("model", "draft", "method", "device", "dtype", "num_threads")} == {
+        "model": "smollm2", "draft": None, "method": "ar", "device": "cpu", "dtype": "auto", "num_threads": 1}
+
+
+def test_ssd_options_reach_the_engine(loads, capsys):
+    main(["generate", "--method", "ssd", "--fan-out", "4,3,2,1", "-k", "3", "--saguaro-c", "0.5", "--backup", "fast",
+          "--max-tokens", "2", "x"])
+    assert {k: loads[0][k] for k in ("method", "fan_out", "num_speculative_tokens", "saguaro_c", "backup")} == {
+        "method": "ssd", "fan_out": [4, 3, 2, 1], "num_speculative_tokens": 3, "saguaro_c": 0.5, "backup": "fast"}
 
 
 def test_generate_many_prompts_from_args_and_file(llm, loads, capsys, tmp_path):
