@@ -11,7 +11,7 @@ from tqdm import tqdm
 from saguaro.draft.client import DraftClient, WorkerConfig
 from saguaro.draft.fanout import geometric_fan_out, uniform_fan_out
 from saguaro.engine.decoders import ARDecoder, SDDecoder
-from saguaro.engine.ssd import SSDDecoder
+from saguaro.engine.ssd import GeometricPlan, SSDDecoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
@@ -42,7 +42,8 @@ class LLM:
     SSD options: fan_out ("geometric", "uniform" or K+1 integers), fan_out_budget (branches
     per request), saguaro_c (Saguaro sampling constant, 1 = off), backup ("auto", "neural",
     "fast"), draft_device, draft_address ("HOST:PORT" to await a worker started elsewhere),
-    acceptance_rate and power_law_r (the geometric fan-out's a and r).
+    acceptance_rate and power_law_r (the geometric fan-out's a and r; a is then re-fitted to the
+    measured acceptance every 16 rounds).
     """
 
     def __init__(self, model: str = hub.DEFAULT_MODEL, draft: str | None = None, method: str = "ar",
@@ -73,8 +74,10 @@ class LLM:
             self.decoder = SDDecoder(self.target, self.draft, num_speculative_tokens)
             return
         k = num_speculative_tokens
+        plan = None
         if fan_out == "geometric":
             fan_out = geometric_fan_out(fan_out_budget, k, acceptance_rate, power_law_r)
+            plan = GeometricPlan(fan_out_budget, power_law_r)
         elif fan_out == "uniform":
             fan_out = uniform_fan_out(fan_out_budget, k)
         config = WorkerConfig(str(draft_path), str(self.dtype).removeprefix("torch."), k, list(fan_out),
@@ -85,7 +88,7 @@ class LLM:
             client.close()
             raise IncompatibleDraftError(f"the draft's vocabulary ({client.ready.vocab_size} tokens) does not "
                                          f"match the target's ({self.target.config.vocab_size})")
-        self.decoder = SSDDecoder(self.target, client, backup)
+        self.decoder = SSDDecoder(self.target, client, backup, plan)
 
     def close(self) -> None:
         """Stops the draft worker, if any (also done at exit)."""

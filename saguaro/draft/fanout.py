@@ -75,8 +75,8 @@ class SpeedModel:
         return tokens / (all_hit * max(1.0, self.t_p) + (1 - all_hit) * (1 + t_b))
 
     def critical_batch_size(self, max_batch: int = 256) -> int:
-        """The smallest batch at which the fast backup is at least as fast as the neural one."""
+        """The smallest batch at which the fast backup is faster than the neural one."""
         for b in range(1, max_batch + 1):
-            if self.speedup(b, "fast") >= self.speedup(b, "neural"):
+            if self.speedup(b, "fast") > self.speedup(b, "neural"):
                 return b
         return max_batch + 1

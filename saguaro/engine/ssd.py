@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from saguaro.draft.client import DraftClient
-from saguaro.draft.fanout import SpeedModel
+from saguaro.draft.fanout import SpeedModel, acceptance_rate, geometric_fan_out
 from saguaro.draft.protocol import DraftUnavailable, SpecRequest
 from saguaro.engine.decoders import ARDecoder, point_masses
 from saguaro.engine.sequence import Sequence
@@ -52,8 +52,21 @@ class SSDStats:
         }
 
 
+@dataclass
+class GeometricPlan:
+    """Re-plans a geometric fan-out from the acceptance measured so far (Theorem 12)."""
+    budget: int
+    power_law_r: float
+    every_rounds: int = 16
+
+    def fan_out(self, acceptance_lengths: list[int], k: int) -> list[int]:
+        a = acceptance_rate(statistics.fmean(acceptance_lengths), k)
+        return geometric_fan_out(self.budget, k, a, self.power_law_r)
+
+
 class SSDDecoder(ARDecoder):
-    def __init__(self, target: LlamaModel, client: DraftClient, backup: str = "auto"):
+    def __init__(self, target: LlamaModel, client: DraftClient, backup: str = "auto",
+                 plan: GeometricPlan | None = None):
         super().__init__(target)
         if backup not in BACKUPS:
             raise ValueError(f"backup must be one of {', '.join(BACKUPS)}")
@@ -64,6 +77,8 @@ class SSDDecoder(ARDecoder):
         self.draft_lost = False
         self.fan_out = list(client.config.fan_out)
         self._new_fan_out: list[int] | None = None
+        self.plan = plan
+        self._rounds = 0
 
     def set_fan_out(self, fan_out: list[int]) -> None:
         """Re-plans the branches per accepted length; the worker gets it with the next request."""
@@ -119,6 +134,12 @@ class SSDDecoder(ARDecoder):
         self._record(seqs, outcomes, spec, new_outcomes, backup, received - asked, verified - received)
         for seq, outcome in zip(seqs, new_outcomes):
             self.outcomes[seq.seq_id] = outcome
+        self._rounds += 1
+        if self.plan is not None and self._rounds % self.plan.every_rounds == 0:
+            lengths = self.stats.hit_lengths + sum(self.stats.miss_lengths.values(), [])
+            fan_out = self.plan.fan_out(lengths[-256:], self.k) if lengths else self.fan_out
+            if fan_out != self.fan_out:
+                self.set_fan_out(fan_out)
 
     def _record(self, seqs, previous, spec, outcomes, backup, wait_s, verify_s) -> None:
         stats = self.stats

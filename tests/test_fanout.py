@@ -1,0 +1,49 @@
+"""The planning formulas of SSD_NOTES section 3: fan-out, acceptance fit, power law, backup choice."""
+from __future__ import annotations
+
+import pytest
+
+from saguaro.draft.fanout import (SpeedModel, acceptance_rate, fit_power_law, geometric_fan_out, outcome_probs,
+                                  uniform_fan_out)
+
+
+@pytest.mark.parametrize("budget, k, a, r", [(16, 5, 0.75, 0.6), (16, 5, 0.4, 0.6), (30, 3, 0.9, 1.5), (7, 2, 0.5, 1.0)])
+def test_geometric_fan_out_spends_the_budget_where_outcomes_are_likely(budget, k, a, r):
+    fan_out = geometric_fan_out(budget, k, a, r)
+    assert len(fan_out) == k + 1 and sum(fan_out) == budget and min(fan_out) >= 0
+    assert fan_out[:k] == sorted(fan_out[:k], reverse=True)  # F_k falls with k below K
+    probs = outcome_probs(a, k)
+    assert probs.index(max(probs)) == fan_out.index(max(fan_out))
+
+
+def test_geometric_fan_out_follows_theorem_12():
+    """F_k / F_0 = a^(k/(1+r)) below K and F_K / F_0 = a^(K/(1+r)) (1-a)^(-1/(1+r)), up to rounding."""
+    a, r, k, budget = 0.7, 0.5, 4, 1000
+    fan_out = geometric_fan_out(budget, k, a, r)
+    for j in range(1, k):
+        assert fan_out[j] / fan_out[0] == pytest.approx(a ** (j / (1 + r)), rel=0.02)
+    assert fan_out[k] / fan_out[0] == pytest.approx(a ** (k / (1 + r)) * (1 - a) ** (-1 / (1 + r)), rel=0.02)
+
+
+def test_uniform_fan_out():
+    assert uniform_fan_out(14, 3) == [4, 4, 3, 3]
+
+
+@pytest.mark.parametrize("a", [0.2, 0.5, 0.73, 0.95])
+def test_acceptance_rate_inverts_the_expected_length(a):
+    k = 5
+    assert acceptance_rate(sum(a ** j for j in range(k + 1)), k) == pytest.approx(a, abs=1e-6)
+
+
+def test_power_law_fit_recovers_r():
+    fan_outs = [1, 2, 4, 8, 16]
+    assert fit_power_law(fan_outs, [f ** -0.8 for f in fan_outs]) == pytest.approx(0.8)
+
+
+def test_fast_backup_wins_only_from_the_critical_batch_size_on():
+    model = SpeedModel(p_hit=0.8, e_hit=3.5, e_neural=3.5, e_fast=1.0, t_p=0.9, t_neural=0.8)
+    b_star = model.critical_batch_size()
+    assert b_star == 2  # neural 3.02 vs fast 3.00 at b=1; 2.72 vs 3.00 at b=2
+    assert model.speedup(1, "neural") > model.speedup(1, "fast")
+    assert model.speedup(2, "fast") > model.speedup(2, "neural")
+    assert SpeedModel(1.0, 3.0, 3.0, 1.0, 0.5, 0.8).critical_batch_size() > 64  # no misses: never fast
