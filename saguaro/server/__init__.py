@@ -1,0 +1,1 @@
+"""`saguaro serve`: an OpenAI-compatible HTTP server with continuous batching."""

@@ -1,0 +1,5 @@
+import sys
+
+from saguaro.server.serve import main
+
+sys.exit(main())

@@ -1,0 +1,283 @@
+"""The HTTP side of `saguaro serve`: an OpenAI-compatible FastAPI app in front of a Scheduler.
+
+The scheduler thread owns the model; each HTTP request submits one engine request and reads
+its updates from an asyncio queue that the scheduler fills through call_soon_threadsafe. A
+request whose client goes away is cancelled, which frees its place in the batch and its cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from saguaro.engine import scheduler as sched
+from saguaro.llm import LLM
+from saguaro.server import metrics
+from saguaro.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
+                                     chat_choice, chat_delta, completion_choice, envelope, error_body, new_id,
+                                     usage)
+
+RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerConfig:
+    model_name: str  # what /v1/models lists and requests must name
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
+    max_body_bytes: int = 1 << 20
+    shutdown_grace_s: float = 30.0  # in-flight requests may finish within this on shutdown
+
+
+class EngineStream:
+    """One engine request's updates, carried from the scheduler thread to the event loop."""
+
+    def __init__(self, scheduler: sched.Scheduler, prompt_ids: list[int], params):
+        self.scheduler = scheduler
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[sched.Update] = asyncio.Queue()
+        self.done = False
+        try:
+            self.request_id = scheduler.submit(sched.Request(prompt_ids, params, self._put))
+        except sched.QueueFull as e:
+            raise APIError(429, f"the server is busy ({e}); retry later", "rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except sched.ShuttingDown as e:
+            raise APIError(503, str(e), "server_error") from e
+        except ValueError as e:
+            raise APIError(400, str(e), param="max_tokens") from e
+
+    def _put(self, update: sched.Update) -> None:  # on the scheduler thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+
+    async def next(self) -> sched.Update:
+        update = await self.queue.get()
+        self.done = update.done
+        return update
+
+    def close(self) -> None:
+        """Cancels the engine request unless it has ended."""
+        if not self.done:
+            self.done = True
+            self.scheduler.cancel(self.request_id)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over max_bytes is refused with 413."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes or (declared is not None and int(declared) > self.max_bytes):
+                raise HTTPException(413, f"the request body exceeds {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> FastAPI:
+    """The app starts the scheduler thread; on shutdown it stops it (requests still running
+    get an error) and closes the LLM, which stops an SSD draft worker."""
+    errors: Counter[int] = Counter()  # refused requests by status, for /metrics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(scheduler.shutdown, 0.0)
+            llm.close()
+
+    app = FastAPI(title="saguaro", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+
+    def error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+        errors[status] += 1
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.body(), e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, e: RequestValidationError) -> JSONResponse:
+        problems = e.errors()
+        if any(p["type"] == "json_invalid" for p in problems):
+            return error_response(400, error_body("the request body is not valid JSON"))
+        first = problems[0] if problems else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(part) for part in first["loc"][1:]) or None
+        message = "; ".join(f"{'.'.join(str(x) for x in p['loc'][1:]) or 'body'}: {p['msg']}" for p in problems[:3])
+        return error_response(400, error_body(message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return error_response(e.status_code, error_body(str(e.detail), kind), getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        return error_response(500, error_body(f"internal error: {e!r}", "server_error"))
+
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+            raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
+
+    def check_model(body: SamplingRequest) -> None:
+        if body.model != config.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                                f"{config.model_name!r}", param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> dict:
+        s = scheduler.stats()
+        return {"status": "ok", "running": s.running, "waiting": s.waiting}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        text = metrics.render(scheduler.stats(), dict(errors), scheduler.max_batch_size, scheduler.max_waiting)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        authorize(request)
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "saguaro", "max_model_len": scheduler.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        authorize(request)
+        body.check_supported()
+        check_model(body)
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            prompt_ids = llm.encode(prompt)
+        else:
+            vocab = llm.target.config.vocab_size
+            if not all(0 <= t < vocab for t in prompt):
+                raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
+            prompt_ids = prompt
+        return await respond(request, body, prompt_ids, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        authorize(request)
+        body.check_supported()
+        check_model(body)
+        try:
+            prompt_ids = llm.encode([m.as_template_input() for m in body.messages])
+        except Exception as e:  # the chat template refused the conversation
+            raise APIError(400, f"the chat template cannot format these messages: {e}", param="messages") from e
+        return await respond(request, body, prompt_ids, body.requested_max_tokens, chat=True)
+
+    async def respond(request: Request, body: SamplingRequest, prompt_ids: list[int], max_tokens: int | None,
+                      chat: bool):
+        room = scheduler.max_new_tokens(len(prompt_ids))
+        if room < 1:
+            raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) does not fit the context of "
+                                f"{scheduler.max_model_len} tokens", param="messages" if chat else "prompt")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens ({max_tokens}) is too large: the prompt has {len(prompt_ids)} tokens "
+                                f"and the context {scheduler.max_model_len}, which leaves at most {room}",
+                           param="max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens")
+        stream = EngineStream(scheduler, prompt_ids, body.sampling_params(max_tokens or room))
+        reply = Reply(new_id("chatcmpl" if chat else "cmpl"), config.model_name, chat)
+        if body.stream:
+            return StreamingResponse(reply.events(stream, body.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await reply.whole(stream, request)
+
+    return app
+
+
+class Reply:
+    """Renders one request's updates as an OpenAI completion or chat completion."""
+
+    def __init__(self, id: str, model: str, chat: bool):
+        self.id, self.model, self.chat = id, model, chat
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+    def _envelope(self, object: str, choices: list[dict], usage_: dict | None = None) -> dict:
+        return envelope(self.id, object, self.model, choices, usage_, self.created)
+
+    def _chunk(self, text: str, finish_reason: str | None, first: bool) -> dict:
+        if not self.chat:
+            return self._envelope(self.chunk_object, [completion_choice(text, finish_reason)])
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return self._envelope(self.chunk_object, [chat_delta(delta, finish_reason)])
+
+    async def events(self, stream: EngineStream, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events; an engine error ends the stream with an error event."""
+        try:
+            first = True
+            while True:
+                update = await stream.next()
+                if update.error is not None:
+                    yield sse(error_body(update.error, "server_error"))
+                    break
+                if update.text or update.finish_reason or first:
+                    yield sse(self._chunk(update.text, update.finish_reason, first))
+                    first = False
+                if update.done:
+                    if include_usage:
+                        yield sse(self._envelope(self.chunk_object, [],
+                                                 usage(update.num_prompt_tokens, update.num_output_tokens)))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.close()
+
+    async def whole(self, stream: EngineStream, request: Request) -> JSONResponse:
+        """Waits for the end, watching for the client going away meanwhile."""
+        parts = []
+        pending = asyncio.ensure_future(stream.next())
+        try:
+            while True:
+                done = (await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S))[0]
+                if await request.is_disconnected():
+                    return JSONResponse(error_body("the client disconnected"), status_code=499)
+                if not done:
+                    continue
+                update = pending.result()
+                if update.error is not None:
+                    status = 503 if "shutting down" in update.error else 500
+                    return JSONResponse(error_body(update.error, "server_error"), status_code=status)
+                parts.append(update.text)
+                if update.done:
+                    break
+                pending = asyncio.ensure_future(stream.next())
+        finally:
+            pending.cancel()
+            stream.close()
+        choice = (chat_choice if self.chat else completion_choice)("".join(parts), update.finish_reason)
+        return JSONResponse(self._envelope(self.object, [choice],
+                                           usage(update.num_prompt_tokens, update.num_output_tokens)))
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"

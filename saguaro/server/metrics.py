@@ -1,0 +1,43 @@
+"""/metrics in the Prometheus text format, from the scheduler's counters."""
+from __future__ import annotations
+
+from saguaro.engine.scheduler import TOKENS_PER_S_WINDOW_S, SchedulerStats
+
+
+def _metric(lines: list[str], name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
+    lines += [f"# HELP saguaro_{name} {help}", f"# TYPE saguaro_{name} {kind}"]
+    lines += [f"saguaro_{name}{labels} {value:g}" for labels, value in samples]
+
+
+def render(stats: SchedulerStats, errors: dict[int, int], max_batch_size: int, max_waiting: int) -> str:
+    s = stats
+    lines: list[str] = []
+    _metric(lines, "requests_total", "counter", "Requests that ended, by how they ended.",
+            [(f'{{reason="{reason}"}}', n) for reason, n in s.finished.items()])
+    _metric(lines, "requests_rejected_total", "counter", "Requests refused because the queue was full (429).",
+            [("", s.rejected)])
+    _metric(lines, "request_errors_total", "counter", "Requests refused before decoding, by HTTP status.",
+            [(f'{{status="{code}"}}', n) for code, n in sorted(errors.items())])
+    _metric(lines, "prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", [("", s.prompt_tokens)])
+    _metric(lines, "generation_tokens_total", "counter", "Generated tokens.", [("", s.generation_tokens)])
+    _metric(lines, "generation_tokens_per_second", "gauge",
+            f"Generated tokens per second over the last {TOKENS_PER_S_WINDOW_S:g} s.", [("", s.tokens_per_s)])
+    _metric(lines, "rounds_total", "counter", "Decoding rounds of the running batch.", [("", s.rounds)])
+    _metric(lines, "batch_size_sum", "counter", "Running requests summed over rounds (mean batch size = "
+            "batch_size_sum / rounds_total).", [("", s.batch_size_sum)])
+    _metric(lines, "requests_running", "gauge", "Requests in the running batch.", [("", s.running)])
+    _metric(lines, "requests_waiting", "gauge", "Requests waiting for a place in the batch.", [("", s.waiting)])
+    _metric(lines, "max_batch_size", "gauge", "Largest running batch.", [("", max_batch_size)])
+    _metric(lines, "max_waiting", "gauge", "Requests that may wait beyond the free batch places.",
+            [("", max_waiting)])
+    _metric(lines, "acceptance_length", "summary", "Tokens committed per request per round (SD, SSD).",
+            [("_sum", s.acceptance_length_sum), ("_count", s.acceptance_length_count)])
+    mean = s.acceptance_length_sum / s.acceptance_length_count if s.acceptance_length_count else 0.0
+    _metric(lines, "acceptance_length_mean", "gauge", "Mean acceptance length since start.", [("", mean)])
+    _metric(lines, "speculation_cache_hits_total", "counter", "SSD rounds whose outcome was cached.",
+            [("", s.cache_hits)])
+    _metric(lines, "speculation_cache_lookups_total", "counter", "SSD rounds after each request's first.",
+            [("", s.cache_lookups)])
+    rate = s.cache_hits / s.cache_lookups if s.cache_lookups else 0.0
+    _metric(lines, "speculation_cache_hit_rate", "gauge", "SSD cache hit rate since start.", [("", rate)])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,96 @@
+"""`saguaro serve` (also `python -m saguaro.server`): loads a model and serves it over HTTP."""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import uvicorn
+
+from saguaro.engine.scheduler import Scheduler
+from saguaro.models import hub
+from saguaro.server.app import ServerConfig, create_app
+
+
+class Server(uvicorn.Server):
+    """Starts the scheduler's grace period as soon as shutdown begins: requests in flight may
+    finish within it, and those still running at its end get a clean error event before
+    uvicorn closes their connections."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace_s: float):
+        super().__init__(config)
+        self.scheduler, self.grace_s = scheduler, grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.scheduler.shutdown(self.grace_s, wait=False)
+        await super().shutdown(sockets)
+
+
+def build_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 32,
+                 max_waiting: int = 128, max_model_len: int | None = None, log_level: str = "warning") -> Server:
+    scheduler = Scheduler(llm, max_batch_size, max_waiting, max_model_len)
+    app = create_app(llm, scheduler, config)
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                               timeout_graceful_shutdown=config.shutdown_grace_s + 5)
+    return Server(uv_config, scheduler, config.shutdown_grace_s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="saguaro serve", description="Serve a model over an OpenAI-compatible "
+                                     "HTTP API with continuous batching.")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=hub.DEFAULT_MODEL,
+                       help="a known name or a checkpoint path (default: %(default)s)")
+    model.add_argument("--draft", help="draft checkpoint for sd/ssd (default: the target's shipped draft)")
+    model.add_argument("--method", choices=("ar", "sd", "ssd"), default="ar",
+                       help="decoding method (default: %(default)s)")
+    model.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
+                       help="draft tokens per round (default: %(default)s)")
+    model.add_argument("--dtype", default="auto", help="auto (bf16), bf16, fp16 or fp32 (default: %(default)s)")
+    model.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    model.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    server.add_argument("--api-key", default=os.environ.get("SAGUARO_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $SAGUARO_API_KEY, else none)")
+    server.add_argument("--served-model-name", help="the model's name in the API (default: --model)")
+    server.add_argument("--max-batch-size", type=int, default=32,
+                        help="requests decoded together (default: %(default)s)")
+    server.add_argument("--max-waiting", type=int, default=128,
+                        help="requests queued beyond the batch before answering 429 (default: %(default)s)")
+    server.add_argument("--max-model-len", type=int, default=2048,
+                        help="prompt + output tokens per request; the KV cache holds max-batch-size of them "
+                             "(default: %(default)s)")
+    server.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default: %(default)s)")
+    server.add_argument("--shutdown-grace", type=float, default=30.0,
+                        help="seconds in-flight requests may run on after SIGINT/SIGTERM (default: %(default)s)")
+    server.add_argument("--log-level", default="info", help="uvicorn's log level (default: %(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from saguaro import LLM
+
+    try:
+        llm = LLM(args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.num_speculative_tokens,
+                  device=args.device, dtype=args.dtype, num_threads=args.threads)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"saguaro serve: error: {e}", file=sys.stderr)
+        return 1
+    config = ServerConfig(args.served_model_name or str(args.model), args.api_key, args.max_body_bytes,
+                          args.shutdown_grace)
+    try:
+        server = build_server(llm, config, args.host, args.port, args.max_batch_size, args.max_waiting,
+                              args.max_model_len, args.log_level)
+    except ValueError as e:
+        llm.close()
+        print(f"saguaro serve: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        server.run()  # returns after a graceful shutdown; uvicorn then re-raises the signal that asked for it
+    except KeyboardInterrupt:
+        return 130
+    return 0
