@@ -228,6 +228,11 @@ BAD = {  # name: (path, JSON body or raw bytes, headers, status)
 }
 
 
+def test_null_parameters_take_their_defaults(http):
+    r = http.post("/v1/completions", json={**GOOD, "temperature": None, "top_p": None, "stop": None, "seed": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_input_gets_a_json_error_and_the_server_keeps_serving(http, name):
     path, body, headers, status = BAD[name]

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from saguaro.engine.sampler import SamplingParams
 
@@ -60,6 +60,12 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def null_means_default(cls, data: Any) -> Any:
+        """OpenAI reads an explicit null as the parameter's default."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     def check_supported(self) -> None:
         if self.n != 1:
             raise APIError(400, "only n = 1 is supported", param="n")
@@ -86,7 +92,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
