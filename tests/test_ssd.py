@@ -21,9 +21,9 @@ from saguaro.draft.speculator import saguaro_sigma
 from saguaro.engine import decoders
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.ssd import SSDDecoder
+from saguaro.models import hub
 from saguaro.models.loader import save_checkpoint
 from test_exactness import PROMPT, TINY_V, exact_continuations, residual_is_p, tiny_model, tv, tv_bound
-from test_sd import draft_path  # noqa: F401  (fixture)
 
 ROWS = 8_000  # broken rules land near TV 0.2, the noise bound near 0.1
 SSD_K = 1  # with 3 new tokens, a first-round rejection leaves a second round to the tested path
@@ -38,6 +38,14 @@ PATHS = {  # name: (fan_out, backup, saguaro_c)
     "miss-neural": (NO_CANDIDATES, "neural", 1.0),
     "miss-fast": (NO_CANDIDATES, "fast", 1.0),
 }
+
+
+@pytest.fixture(scope="module")
+def draft_path():
+    """The distilled draft shipped for the default model: right often, not always."""
+    path = hub.default_draft(hub.DEFAULT_MODEL)
+    assert path is not None
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +146,7 @@ def with_ssd(llm):
 
 @pytest.mark.parametrize("backup", ["neural", "fast"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_ssd_greedy_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy, backup, batch):  # noqa: F811
+def test_ssd_greedy_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy, backup, batch):
     ssd_llm = with_ssd(ssd_decoder(llm, draft_path, backup))
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     outputs = []
@@ -150,7 +158,7 @@ def test_ssd_greedy_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy, bac
     assert summary["cache_hit_rate"] is not None and 0 < summary["cache_hit_rate"]
 
 
-def test_killing_the_draft_mid_batch_loses_nothing(with_ssd, llm, draft_path, prompts, ar_greedy):  # noqa: F811
+def test_killing_the_draft_mid_batch_loses_nothing(with_ssd, llm, draft_path, prompts, ar_greedy):
     decoder = ssd_decoder(llm, draft_path, "neural")
     ssd_llm = with_ssd(decoder)
     pid = decoder.client.process.pid
