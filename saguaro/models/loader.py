@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from saguaro.models.config import ModelConfig, UnsupportedModelError
 from saguaro.models.llama import LlamaModel, rope_inv_freq
@@ -155,7 +156,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: t
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config)
-    return model.to(device).eval().requires_grad_(False)
+    return decode_layout(model.to(device).eval().requires_grad_(False))
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -166,6 +167,22 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in names:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
     return names[dtype]
+
+
+def decode_layout(model: LlamaModel) -> LlamaModel:
+    """Stores fp32 CPU projections with more outputs than inputs column-major ([in, out] in
+    memory). For the single row of activations of batch-1 decoding, the CPU BLAS streams that
+    layout faster (measured on SmolLM2: the MLP's up projection 1.5x, the whole step 1.2x), and
+    slower for the down projection, which keeps its layout. F.linear reads the strides, so the
+    forward pass is unchanged; saved checkpoints are contiguous as before. The tied head keeps
+    its layout: the embedding lookups share it."""
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return model
+    for module in model.modules():
+        if (isinstance(module, nn.Linear) and module.out_features >= module.in_features
+                and module.weight is not model.embed_tokens.weight):
+            module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
+    return model
 
 
 def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -237,7 +254,7 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32,
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config)
-    return model.to(device).eval().requires_grad_(False)
+    return decode_layout(model.to(device).eval().requires_grad_(False))
 
 
 def load_draft(path: str | Path, target: LlamaModel, dtype: torch.dtype | None = None,
