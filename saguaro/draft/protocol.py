@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -81,7 +81,6 @@ class Ready:
     vocab_size: int
     num_layers: int
     pid: int
-    notes: dict = field(default_factory=dict)
 
 
 # --- channel ---------------------------------------------------------------------------------
