@@ -65,23 +65,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Its own parser (saguaro.distill.cli) takes the remaining arguments, so it loads only when used.
     commands.add_parser("distill", add_help=False, help="distill a draft for a target (saguaro distill --help)")
-    bench = commands.add_parser("bench", help="AR, SD and SSD side by side (writes bench.json and bench.md)")
+    bench = commands.add_parser("bench", help="AR, SD, SSD and transformers side by side "
+                                "(writes bench.json, bench.md and plots)")
     bench.add_argument("--model", default=hub.DEFAULT_MODEL)
     bench.add_argument("--draft", help="default: the model's shipped draft")
-    bench.add_argument("--methods", default="ar,sd,ssd")
-    bench.add_argument("--dataset", choices=["humaneval", "sharegpt", "random"], default="humaneval")
+    bench.add_argument("--methods", default="ar,sd,ssd,hf,hf-assisted",
+                       help="of ar, sd, ssd, hf (transformers generate), hf-assisted (with the draft as assistant)")
+    bench.add_argument("--datasets", default="humaneval", help="of humaneval, sharegpt (held-out first turns), random")
     bench.add_argument("--num-prompts", type=int, default=10)
     bench.add_argument("--max-tokens", type=int, default=128)
-    bench.add_argument("--temperatures", default="0,0.7")
-    bench.add_argument("--batch-sizes", default="1")
+    bench.add_argument("--temperatures", default="0,0.7,1.0")
+    bench.add_argument("--batch-sizes", default="1,4,8")
     bench.add_argument("-k", "--num-speculative-tokens", type=int, default=5)
     bench.add_argument("--fan-out", default="geometric")
     bench.add_argument("--fan-out-budget", type=int, default=16)
+    bench.add_argument("--fan-out-sweep", default="", help="also: SSD hit rate for these uniform fan-outs, e.g. 1,2,4,8")
     bench.add_argument("--saguaro-c", type=float, default=1.0)
     bench.add_argument("--backup", choices=["auto", "neural", "fast"], default="auto")
     bench.add_argument("--dtype", default="bfloat16")
+    bench.add_argument("--no-chat-template", action="store_true", help="raw prompts (default: chat template applied)")
     bench.add_argument("--no-ignore-eos", action="store_true", help="stop at end-of-sequence (default: decode max tokens)")
-    bench.add_argument("--fan-out-sweep", help="instead: SSD hit rate for these uniform fan-outs, e.g. 1,2,4,8")
+    bench.add_argument("--quick", action="store_true",
+                       help="smoke run: 2 prompts x 16 tokens, T 0 and 0.7, batch 1 and 2, fan-outs 1,2 (under 3 min)")
     bench.add_argument("--out", type=Path, default=Path("bench_out"))
     commands.add_parser("serve", add_help=False,
                         help="serve a model over an OpenAI-compatible HTTP API (saguaro serve --help)")
@@ -131,23 +136,22 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def run_bench(args: argparse.Namespace) -> int:
     from saguaro import bench
+    from saguaro.bench import report
 
-    numbers = lambda text, kind: [kind(x) for x in text.split(",")]  # noqa: E731
+    numbers = lambda text, kind: [kind(x) for x in text.split(",") if x]  # noqa: E731
     fan_out = args.fan_out if args.fan_out in ("geometric", "uniform") else numbers(args.fan_out, int)
     config = bench.BenchConfig(
-        model=args.model, draft=args.draft, methods=args.methods.split(","), dataset=args.dataset,
+        model=args.model, draft=args.draft, methods=args.methods.split(","), datasets=args.datasets.split(","),
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, temperatures=numbers(args.temperatures, float),
         batch_sizes=numbers(args.batch_sizes, int), num_speculative_tokens=args.num_speculative_tokens,
-        fan_out=fan_out, fan_out_budget=args.fan_out_budget, saguaro_c=args.saguaro_c, backup=args.backup,
-        dtype=args.dtype, ignore_eos=not args.no_ignore_eos)
-    if args.fan_out_sweep:
-        for temperature in config.temperatures:
-            result = bench.fan_out_sweep(config, numbers(args.fan_out_sweep, int), temperature, args.out)
-            print(f"temperature {temperature}: r = {result['power_law_r']:.3f}; " + ", ".join(
-                f"F={p['fan_out']}: hit {p['cache_hit_rate']:.3f}" for p in result["points"]))
-        return 0
+        fan_out=fan_out, fan_out_budget=args.fan_out_budget, fan_out_sweep=numbers(args.fan_out_sweep, int),
+        saguaro_c=args.saguaro_c, backup=args.backup, dtype=args.dtype, chat_template=not args.no_chat_template,
+        ignore_eos=not args.no_ignore_eos)
+    if args.quick:
+        config = bench.quick(config)
     result = bench.run(config, args.out)
-    print(bench.markdown_table(result["summary"]))
+    print(report.markdown(result))
+    print(f"written to {args.out}/")
     return 0
 
 
@@ -216,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "bench":
-        return run_bench(args)
     try:
+        if args.command == "bench":
+            return run_bench(args)
         if args.command == "pull":
             print(hub.pull(args.name))
         elif args.command == "generate":

@@ -63,6 +63,7 @@ class LLM:
         self.target = load_model(path, self.dtype, device)
         self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]
         self._ids = itertools.count()
+        self._cores_before: tuple[set[int], int] | None = None  # restored by close()
         if method == "ar":
             self.decoder = ARDecoder(self.target)
             return
@@ -80,6 +81,7 @@ class LLM:
             plan = GeometricPlan(fan_out_budget, power_law_r)
         elif fan_out == "uniform":
             fan_out = uniform_fan_out(fan_out_budget, k)
+        self._cores_before = os.sched_getaffinity(0), torch.get_num_threads()
         config = WorkerConfig(str(draft_path), str(self.dtype).removeprefix("torch."), k, list(fan_out),
                               saguaro_c, draft_device, None if draft_address else split_cores(draft_device),
                               draft_address)
@@ -91,9 +93,14 @@ class LLM:
         self.decoder = SSDDecoder(self.target, client, backup, plan)
 
     def close(self) -> None:
-        """Stops the draft worker, if any (also done at exit)."""
+        """Stops the draft worker, if any (also done at exit), and gives back the core it had."""
         if isinstance(self.decoder, SSDDecoder):
             self.decoder.close()
+        if self._cores_before is not None:
+            cores, threads = self._cores_before
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+            self._cores_before = None
 
     def __enter__(self) -> "LLM":
         return self

@@ -1,0 +1,217 @@
+"""Runs every method on the same target, draft and prompts, interleaved.
+
+Methods take turns batch by batch (the order rotates), so drift of a shared, noisy machine
+hits them alike. All in-process decoding (AR, SD, SSD's target side, transformers) runs on
+the same cores; SSD's draft worker gets a core of its own, and `tokens/s per device` charges
+it for that.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from saguaro.bench import peers, report
+from saguaro.engine.decoders import ARDecoder, SDDecoder
+from saguaro.engine.sampler import SamplingParams
+from saguaro.engine.ssd import SSDStats
+from saguaro.llm import LLM
+from saguaro.models import hub
+from saguaro.models.loader import load_draft
+
+METHODS = ("ar", "sd", "ssd", "hf", "hf-assisted")
+DATASETS = ("humaneval", "sharegpt", "random")
+
+
+@dataclass
+class BenchConfig:
+    model: str = hub.DEFAULT_MODEL
+    draft: str | None = None  # default: the shipped draft of the model
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    datasets: list[str] = field(default_factory=lambda: ["humaneval"])
+    num_prompts: int = 10
+    max_tokens: int = 128
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
+    num_speculative_tokens: int = 5
+    fan_out: str | list[int] = "geometric"
+    fan_out_budget: int = 16
+    fan_out_sweep: list[int] = field(default_factory=list)  # uniform fan-outs whose hit rate is measured
+    saguaro_c: float = 1.0
+    backup: str = "auto"
+    dtype: str = "bfloat16"
+    chat_template: bool = True
+    ignore_eos: bool = True  # every request decodes max_tokens: equal work for every method
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = set(self.methods) - set(METHODS) | set(self.datasets) - set(DATASETS)
+        if unknown:
+            raise ValueError(f"unknown methods or datasets: {sorted(unknown)}; methods are {', '.join(METHODS)}, "
+                             f"datasets {', '.join(DATASETS)}")
+        if self.fan_out_sweep and "ssd" not in self.methods:
+            raise ValueError("the fan-out sweep measures SSD: add ssd to the methods")
+
+
+def quick(config: BenchConfig) -> BenchConfig:
+    """A smoke run of every method, dataset, plot and code path in well under 3 minutes."""
+    return replace(config, num_prompts=2, max_tokens=16, temperatures=[0.0, 0.7], batch_sizes=[1, 2],
+                   fan_out_sweep=[1, 2])
+
+
+def bench_prompts(llm: LLM, dataset: str, config: BenchConfig) -> list[list[int]]:
+    """Token ids of the benchmark prompts; held-out ShareGPT turns only (never trained on)."""
+    from saguaro.datasets import humaneval_prompts, sharegpt_first_turns
+
+    if dataset == "random":
+        rng = random.Random(config.seed)
+        vocab = llm.target.config.vocab_size
+        return [[rng.randrange(vocab) for _ in range(64)] for _ in range(config.num_prompts)]
+    if dataset == "humaneval":
+        texts = humaneval_prompts()[: config.num_prompts]
+    else:
+        texts = sharegpt_first_turns("heldout", limit=config.num_prompts, seed=config.seed, max_chars=1500)
+    if config.chat_template:
+        return [llm.encode([{"role": "user", "content": t}]) for t in texts]
+    return [llm.encode(t) for t in texts]
+
+
+def build_engines(llm: LLM, config: BenchConfig) -> dict:
+    """name -> generate(prompts, params) -> per-request records. One saguaro target is shared by
+    AR, SD and SSD (whose decoder is the LLM's own: it owns the worker)."""
+    draft_path = hub.resolve(config.draft) if config.draft else hub.default_draft(config.model)
+    needs_draft = {"sd", "hf-assisted"} & set(config.methods)
+    draft = load_draft(draft_path, llm.target) if needs_draft else None
+    decoders = {"ar": ARDecoder(llm.target) if "ar" in config.methods else None,
+                "sd": SDDecoder(llm.target, draft, config.num_speculative_tokens) if "sd" in config.methods else None,
+                "ssd": llm.decoder if "ssd" in config.methods else None}
+
+    def saguaro_engine(decoder):
+        def generate(prompts, params):
+            llm.decoder = decoder
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            return [asdict(out.metrics) for out in outputs]
+        return generate
+
+    engines = {name: saguaro_engine(d) for name, d in decoders.items() if d is not None}
+    if {"hf", "hf-assisted"} & set(config.methods):
+        hf_target = peers.load_target(hub.resolve(config.model), llm.dtype)
+        assistant = peers.as_transformers(draft) if "hf-assisted" in config.methods else None
+        pad_id = llm.eos_token_ids[0]
+        for name, helper in (("hf", None), ("hf-assisted", assistant)):
+            if name in config.methods:
+                engines[name] = lambda prompts, params, helper=helper: [
+                    {k: v for k, v in r.items() if k != "token_ids"}
+                    for r in peers.generate(hf_target, prompts, params, pad_id, helper, config.num_speculative_tokens)]
+    return {name: engines[name] for name in config.methods}
+
+
+def runnable(method: str, batch: int) -> bool:
+    """transformers' assisted generation supports batch size 1 only."""
+    return not (method == "hf-assisted" and batch > 1)
+
+
+def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
+    if out_dir is not None:
+        report.require_matplotlib()
+    torch.manual_seed(config.seed)
+    saguaro_methods = [m for m in config.methods if m in ("ar", "sd", "ssd")]
+    method = "ssd" if "ssd" in saguaro_methods else "sd" if "sd" in saguaro_methods else "ar"
+    llm = LLM(config.model, draft=config.draft, method=method, num_speculative_tokens=config.num_speculative_tokens,
+              dtype=config.dtype, fan_out=config.fan_out, fan_out_budget=config.fan_out_budget,
+              saguaro_c=config.saguaro_c, backup=config.backup)
+    if method != "ssd":
+        torch.set_num_threads(1)
+    ssd_decoder = llm.decoder if method == "ssd" else None
+    steps = [(d, t, b, i) for d in config.datasets for t in config.temperatures for b in config.batch_sizes
+             for i in range(0, config.num_prompts, b)]
+    sweep_runs = len(config.fan_out_sweep) * config.num_prompts
+    records, engine_stats = [], {}
+    try:
+        engines = build_engines(llm, config)
+        prompts = {d: bench_prompts(llm, d, config) for d in config.datasets}
+        total = sum(runnable(m, b) for _, _, b, _ in steps for m in engines) + sweep_runs
+        with tqdm(total=total, desc="bench", unit="run") as bar:
+            for turn, (dataset, temperature, batch, start) in enumerate(steps):
+                if start == 0 and ssd_decoder is not None:
+                    ssd_decoder.stats = SSDStats()
+                names = [m for m in engines if runnable(m, batch)]
+                names = names[turn % len(names):] + names[:turn % len(names)]
+                batch_prompts = prompts[dataset][start:start + batch]
+                for name in names:
+                    params = SamplingParams(temperature=temperature, max_tokens=config.max_tokens,
+                                            ignore_eos=config.ignore_eos, seed=config.seed + start)
+                    began = time.perf_counter()
+                    results = engines[name](batch_prompts, params)
+                    wall = time.perf_counter() - began
+                    for j, result in enumerate(results):
+                        records.append({"method": name, "dataset": dataset, "temperature": temperature,
+                                        "batch": batch, "prompt": start + j, "batch_wall_s": wall,
+                                        "batch_tokens": sum(r["num_output_tokens"] for r in results), **result})
+                    bar.update()
+                if start + batch >= config.num_prompts and ssd_decoder is not None:
+                    engine_stats[report.key(dataset, temperature, batch)] = ssd_decoder.stats.summary()
+            llm.decoder = ssd_decoder or llm.decoder
+            llm.close()
+            sweep = fan_out_sweep(config, prompts[config.datasets[0]], bar) if config.fan_out_sweep else None
+    finally:
+        llm.decoder = ssd_decoder or llm.decoder
+        llm.close()
+    result = {"config": asdict(config), "environment": environment(), "records": records,
+              "ssd_engine": engine_stats, "fan_out_sweep": sweep,
+              "summary": report.summarize(records, engine_stats)}
+    if out_dir is not None:
+        report.write(result, out_dir)
+    return result
+
+
+def fan_out_sweep(config: BenchConfig, prompts: list[list[int]], bar: tqdm | None = None,
+                  temperature: float = 0.0) -> dict:
+    """SSD's cache hit rate against a uniform fan-out F (F candidates per accepted length,
+    batch 1), and the power law 1 - p_hit = F^-r fitted to it (Definition 11)."""
+    from saguaro.draft.fanout import fit_power_law
+
+    fan_outs = config.fan_out_sweep
+    llm = LLM(config.model, draft=config.draft, method="ssd", num_speculative_tokens=config.num_speculative_tokens,
+              dtype=config.dtype, fan_out=[max(fan_outs)] * (config.num_speculative_tokens + 1),
+              saguaro_c=config.saguaro_c, backup=config.backup)
+    points = []
+    try:
+        for f in fan_outs:
+            llm.decoder.set_fan_out([f] * (config.num_speculative_tokens + 1))
+            llm.decoder.stats = SSDStats()
+            params = SamplingParams(temperature=temperature, max_tokens=config.max_tokens,
+                                    ignore_eos=config.ignore_eos, seed=config.seed)
+            for prompt in prompts:
+                llm.generate([prompt], params, use_tqdm=False)
+                if bar is not None:
+                    bar.update()
+            summary = llm.decoder.stats.summary()
+            points.append({"fan_out": f, "cache_hit_rate": summary["cache_hit_rate"],
+                           "t_p_median": summary["t_p_median"]})
+    finally:
+        llm.close()
+    misses = [(p["fan_out"], 1 - p["cache_hit_rate"]) for p in points if p["cache_hit_rate"] is not None]
+    r = fit_power_law([f for f, _ in misses], [m for _, m in misses]) if len(misses) > 1 else None
+    return {"temperature": temperature, "points": points, "power_law_r": r}
+
+
+def environment() -> dict:
+    return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+            "processor": _cpu_model() or platform.processor(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _cpu_model() -> str | None:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
