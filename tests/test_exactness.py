@@ -17,7 +17,7 @@ from saguaro.engine import decoders
 from saguaro.engine.decoders import SDDecoder
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, warp
 from saguaro.engine.sequence import Sequence
-from saguaro.engine.verify import verify
+from saguaro.engine.verify import verify, verify_greedy
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel
 
@@ -119,6 +119,24 @@ def test_verify_is_exact(temperature):
 def test_verify_check_catches_broken_rules(temperature, rule):
     tv_first, bound_first, tv_joint, bound_joint = chain_tvs(temperature, rule)
     assert tv_joint > bound_joint
+
+
+def test_greedy_verify_is_the_rule_for_point_mass_targets():
+    """At temperature 0 the engine skips the distributions: the outcome must be the one
+    `verify` gives for one-hot targets, whatever (smooth or point-mass) draft proposed."""
+    g = torch.Generator().manual_seed(5)
+    B, K, vocab = 4000, 4, 3
+    target_tokens = torch.randint(vocab, (B, K + 1), generator=g)
+    draft_probs = torch.rand(B, K, vocab, generator=g).softmax(-1)
+    draft_tokens = torch.multinomial(draft_probs.flatten(0, 1), 1, generator=g).view(B, K)
+    target_probs = torch.nn.functional.one_hot(target_tokens, vocab).float()
+    u = torch.rand(B, K + 1, generator=g)
+    expected = verify(draft_tokens, draft_probs, target_probs, u[:, :K], u[:, K])
+    got = verify_greedy(draft_tokens, target_tokens)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert set(got[0].tolist()) == set(range(K + 1))  # every accepted length occurs
+    shifted = verify_greedy(draft_tokens, target_tokens.roll(1, dims=1))
+    assert not torch.equal(shifted[0], expected[0])  # the comparison can fail
 
 
 def test_noise_bound_holds_for_exact_samples():

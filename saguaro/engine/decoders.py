@@ -14,7 +14,7 @@ from saguaro.engine.kv_cache import KVCache
 from saguaro.engine.runner import forward_chunks, last_hidden
 from saguaro.engine.sampler import WarpParams, sample, uniforms, warp
 from saguaro.engine.sequence import Sequence
-from saguaro.engine.verify import verify
+from saguaro.engine.verify import verify, verify_greedy
 from saguaro.models.llama import LlamaModel
 
 
@@ -74,7 +74,10 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
 
 
 def sample_next(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    probs = warp(logits, WarpParams.of([s.params for s in seqs], logits.device))
+    params = WarpParams.of([s.params for s in seqs], logits.device)
+    if params.all_greedy:  # the argmax the one-hot distribution would sample, without building it
+        return logits.argmax(-1).tolist()
+    probs = warp(logits, params)
     u = uniforms([s.generator for s in seqs], 1)[:, 0].to(logits.device)
     return sample(probs, u).tolist()
 
@@ -131,14 +134,18 @@ class ARDecoder:
         B, K = draft_tokens.shape
         device = self.target.device
         draft_tokens = draft_tokens.to(device)
-        if draft_probs is None:
-            draft_probs = point_masses(draft_tokens, self.target.config.vocab_size)
         chunks = [[s.token_ids[-1]] + d for s, d in zip(seqs, draft_tokens.tolist())]
         hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
         params = WarpParams.of([s.params for s in seqs], device).repeat(K + 1)
-        target_probs = warp(self.target.logits(hidden).flatten(0, 1), params).view(B, K + 1, -1)
-        u = uniforms([s.generator for s in seqs], K + 1).to(device)
-        accepted_len, bonus = verify(draft_tokens, draft_probs.to(device), target_probs, u[:, :K], u[:, K])
+        logits = self.target.logits(hidden)
+        if params.all_greedy:
+            accepted_len, bonus = verify_greedy(draft_tokens, logits.argmax(-1))
+        else:
+            if draft_probs is None:
+                draft_probs = point_masses(draft_tokens, self.target.config.vocab_size)
+            target_probs = warp(logits.flatten(0, 1), params).view(B, K + 1, -1)
+            u = uniforms([s.generator for s in seqs], K + 1).to(device)
+            accepted_len, bonus = verify(draft_tokens, draft_probs.to(device), target_probs, u[:, :K], u[:, K])
         outcomes = list(zip(accepted_len.tolist(), bonus.tolist()))
         for seq, drafts, (k, bonus_token) in zip(seqs, draft_tokens.tolist(), outcomes):
             seq.commit(drafts[:k] + [bonus_token])

@@ -31,3 +31,12 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: 
     empty = residual.sum(-1, keepdim=True) <= 0
     residual = torch.where(empty, p_at, residual)
     return accepted_len, sample(residual, u_bonus)
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify` for a greedy target, whose distributions are point masses on target_tokens
+    [B, K+1] (its argmaxes): whatever the draft's distribution, a draft is accepted iff it
+    equals the argmax, and the bonus is the argmax after the accepted prefix."""
+    K = draft_tokens.shape[1]
+    accepted_len = (draft_tokens == target_tokens[:, :K]).int().cumprod(-1).sum(-1)
+    return accepted_len, target_tokens.gather(1, accepted_len[:, None])[:, 0]

@@ -23,6 +23,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, the same arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
@@ -67,20 +69,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x, cos, sin, cache: KVCache, rows, slots, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache, rows, slots, attn_mask, span: int) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)
+        qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write(self.layer_idx, rows, slots, k, v, span=mask.shape[-1])
+            qk = torch.cat((self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])), dim=2)
+        qk = apply_rope(qk, cos, sin)  # q and k rotated together: one pass instead of two
+        q, k = qk[:, :, :H], qk[:, :, H:]
+        keys, values = cache.write(self.layer_idx, rows, slots, k, v, span=span)
         # Grouped-query attention without copying K/V: the G query heads sharing one KV head
-        # are stacked along the query axis.
+        # are stacked along the query axis (attn_mask is already laid out that way).
         G = H // Hkv
-        q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        attn_mask = mask[:, None].expand(B, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
+        q = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
         out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
         return self.o_proj(out)
@@ -105,8 +107,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache, rows, slots, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, rows, slots, mask)
+    def forward(self, x, cos, sin, cache, rows, slots, attn_mask, span):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, rows, slots, attn_mask, span)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -153,8 +155,9 @@ class LlamaModel(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq
         cos, sin = freqs.cos()[:, :, None], freqs.sin()[:, :, None]
         x = self.embed_tokens(tokens)
+        attn_mask = gqa_mask(mask, self.config.num_heads // self.config.num_kv_heads)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, rows, slots, mask)
+            x = layer(x, cos, sin, cache, rows, slots, attn_mask, mask.shape[-1])
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -171,3 +174,12 @@ def causal_mask(slots: torch.Tensor) -> torch.Tensor:
     """Each token sees every slot up to its own: right for sequences stored contiguously."""
     span = int(slots.max()) + 1
     return torch.arange(span, device=slots.device) <= slots[..., None]
+
+
+def gqa_mask(mask: torch.Tensor, group: int) -> torch.Tensor | None:
+    """[B, T, S] -> [B, 1, group * T, S], the layout Attention stacks query heads in; None
+    when every token sees every slot (one-token decode), which takes SDPA's unmasked path."""
+    if mask.all():
+        return None
+    B, T, S = mask.shape
+    return mask[:, None].expand(B, group, T, S).reshape(B, 1, group * T, S)
