@@ -19,25 +19,12 @@ from pathlib import Path
 import torch
 
 from saguaro import LLM, SamplingParams
+from saguaro.bench import peers
 from saguaro.datasets import humaneval_prompts, sharegpt_first_turns
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class Clock:
-    """A transformers streamer that only records when each step's tokens arrive (the first
-    call carries the prompt)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -82,21 +69,10 @@ def saguaro_decode(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float,
     return out.metrics.decode_tokens_per_s, out.token_ids
 
 
-@torch.inference_mode()
 def transformers_decode(model, prompt: list[int], new_tokens: int, pad_id: int) -> tuple[float, list[int]]:
-    clock = Clock()
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, pad_token_id=pad_id, streamer=clock)
-    return (new_tokens - 1) / (clock.times[-1] - clock.times[1]), out[0, len(prompt):].tolist()
-
-
-def load_transformers(dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    path = hub.resolve(hub.DEFAULT_MODEL)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    return model.eval().requires_grad_(False)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    record = peers.generate(model, [prompt], params, pad_id)[0]
+    return record["decode_tokens_per_s"], record["token_ids"]
 
 
 def until_eos(tokens: list[int], eos: set[int]) -> int:
@@ -112,7 +88,7 @@ def run(num_prompts: int, new_tokens: int) -> dict:
     engines = {}
     for name, dtype in DTYPES.items():
         engines[("saguaro", name)] = LLM(hub.DEFAULT_MODEL, dtype=dtype)
-        engines[("transformers", name)] = load_transformers(dtype)
+        engines[("transformers", name)] = peers.load_target(hub.resolve(hub.DEFAULT_MODEL), dtype)
     reference = engines[("saguaro", "fp32")]
     prompts = load_prompts(reference, num_prompts)
     pad_id = reference.eos_token_ids[0]

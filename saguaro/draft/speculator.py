@@ -109,7 +109,9 @@ class Speculator:
     def speculate(self, seq_ids: list[int], outcomes: list[Outcome | None], backup: str
                   ) -> tuple[list[list[int]], list[bool], list[torch.Tensor | None]]:
         """Applies each request's last outcome and returns its next speculation: from the cache
-        on a hit, else from the backup ("neural": the draft just in time; "fast": n-gram)."""
+        on a hit, else from the backup ("neural": the draft just in time; "fast": n-gram).
+        Distributions are copied out of the batched tensors they are views of: a pickled view
+        carries its whole storage (all branches of all requests) over the wire."""
         seqs = [self.seqs[sid] for sid in seq_ids]
         hits, probs = [], [None] * len(seqs)
         for i, (seq, outcome) in enumerate(zip(seqs, outcomes)):
@@ -122,7 +124,7 @@ class Speculator:
                 branch = seq.cache.get(outcome)
                 if branch is not None:
                     seq.spec = seq.branch_tokens[branch]
-                    probs[i] = None if seq.branch_probs is None else seq.branch_probs[branch]
+                    probs[i] = None if seq.branch_probs is None else seq.branch_probs[branch].clone()
                     hit = True
             seq.cache = {}
             hits.append(hit)
@@ -131,7 +133,7 @@ class Speculator:
             tokens, q = self._draft_now([seqs[i] for i in missed])
             for j, i in enumerate(missed):
                 seqs[i].spec = tokens[j].tolist()
-                probs[i] = None if q is None or seqs[i].params.greedy else q[j]
+                probs[i] = None if q is None or seqs[i].params.greedy else q[j].clone()
         else:
             for i in missed:
                 seqs[i].spec, probs[i] = ngram_guess(seqs[i].token_ids, self.k), None
