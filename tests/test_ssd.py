@@ -22,8 +22,10 @@ from saguaro.engine import decoders
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.ssd import SSDDecoder
 from saguaro.models import hub
+from saguaro.models.llama import scatter_to_vocab
 from saguaro.models.loader import save_checkpoint
-from test_exactness import PROMPT, TINY_V, exact_continuations, residual_is_p, tiny_model, tv, tv_bound
+from test_exactness import (PROMPT, REDUCED_HEAD, TINY_V, exact_continuations, residual_is_p, tiny_model, tv,
+                            tv_bound)
 
 ROWS = 8_000  # broken rules land near TV 0.2, the noise bound near 0.1
 SSD_K = 1  # with 3 new tokens, a first-round rejection leaves a second round to the tested path
@@ -57,6 +59,15 @@ def tiny_target():
 def tiny_draft_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-draft")
     save_checkpoint(tiny_model(seed=11, layers=1), folder, dtype=torch.float32, share_embeddings=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reduced_draft_dir(tmp_path_factory):
+    """As the shipped draft: a reduced head, here 6 of the 8 tokens."""
+    folder = tmp_path_factory.mktemp("reduced-draft")
+    draft = tiny_model(seed=11, layers=1, head_token_ids=REDUCED_HEAD)
+    save_checkpoint(draft, folder, dtype=torch.float32, share_embeddings=False)
     return folder
 
 
@@ -114,6 +125,28 @@ def test_ssd_check_catches_a_proposal_other_than_the_one_reported(tiny_target, t
 
     monkeypatch.setattr(speculator, "sample", sample_elsewhere)
     observed, bound, _ = ssd_tv(tiny_target, tiny_draft_dir, 1.0, path)
+    assert observed > bound
+
+
+@pytest.mark.parametrize("path", ["hit-c0.5", "miss-neural"])
+def test_ssd_is_exact_with_a_reduced_draft_head(tiny_target, reduced_draft_dir, path):
+    """The worker samples and sends distributions over its head rows only; the target widens
+    them, and still reaches the tokens the draft cannot propose."""
+    observed, bound, decoder = ssd_tv(tiny_target, reduced_draft_dir, 1.0, path)
+    assert observed < bound
+    ran = decoder.stats.hit_lengths if path.startswith("hit") else decoder.stats.miss_lengths["neural"]
+    assert len(ran) > ROWS // 10
+
+
+def test_ssd_check_catches_draft_distributions_placed_on_the_wrong_tokens(tiny_target, reduced_draft_dir,
+                                                                           monkeypatch):
+    from saguaro.engine import ssd
+
+    def sorted_map(probs, token_ids, vocab_size, fill=0.0):
+        return scatter_to_vocab(probs, token_ids.sort().values, vocab_size, fill)
+
+    monkeypatch.setattr(ssd, "scatter_to_vocab", sorted_map)
+    observed, bound, _ = ssd_tv(tiny_target, reduced_draft_dir, 1.0, "hit-c1")
     assert observed > bound
 
 

@@ -57,7 +57,8 @@ class SpecRequest:
 @dataclass
 class Speculation:
     """Worker -> target: K tokens per request, whether they came from the cache, and the
-    distributions they were drawn from (None at temperature 0: point masses)."""
+    distributions they were drawn from over the draft's head rows ([K, head rows]; None at
+    temperature 0: point masses)."""
     tokens: list[list[int]]
     hits: list[bool]
     probs: list[torch.Tensor | None]
@@ -81,6 +82,7 @@ class Ready:
     vocab_size: int
     num_layers: int
     pid: int
+    head_token_ids: list[int] | None = None  # a reduced head's token ids: what its rows stand for
 
 
 # --- channel ---------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class DraftSequence:
     spec: list[int] = field(default_factory=list)  # the speculation being verified
     cache: dict[Outcome, int] = field(default_factory=dict)  # predicted outcome -> branch
     branch_tokens: list[list[int]] = field(default_factory=list)  # [branches][K]
-    branch_probs: torch.Tensor | None = None  # [branches, K, V]; None when greedy
+    branch_probs: torch.Tensor | None = None  # [branches, K, head rows]; None when greedy
 
 
 def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, top: int, c: float) -> torch.Tensor:
@@ -44,6 +44,7 @@ def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, top: int, c: float)
     cache holds. Exact, because verification uses this distribution as the proposal."""
     if c >= 1 or top <= 0:
         return probs
+    top = min(top, logits.shape[-1])
     favoured = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, logits.topk(top, dim=-1).indices, True)
     scaled = torch.where(favoured, probs * c, probs)
     total = scaled.sum(-1, keepdim=True)
@@ -225,16 +226,16 @@ class Speculator:
             positions = committed[:, None] + accepted[None] + depth
             slots = (base[:, None] + depth * NB + branch[None]).expand(B, NB)
             hidden = self.draft(tokens, positions, self.cache, rows=rows, slots=slots, mask=mask)
-            logits = self.draft.logits(hidden).flatten(0, 1)
+            logits = self.draft.head_logits(hidden).flatten(0, 1)
             if params.all_greedy:
-                tokens = logits.argmax(-1).view(B, NB)
+                tokens = self.draft.head_token(logits.argmax(-1)).view(B, NB)
             else:
                 q = self._sigma(depth, warp(logits, params), logits)
-                tokens = sample(q, u[:, :, depth].flatten()).view(B, NB)
+                tokens = self.draft.head_token(sample(q, u[:, :, depth].flatten())).view(B, NB)
                 probs.append(q.view(B, NB, -1))
             drafted.append(tokens)
         drafted_t = torch.stack(drafted, -1).tolist()  # [B, NB, K]
-        probs_t = torch.stack(probs, 2) if probs else None  # [B, NB, K, V]
+        probs_t = torch.stack(probs, 2) if probs else None  # [B, NB, K, head rows]
         for b, (seq, bonus) in enumerate(zip(seqs, first.tolist())):
             seq.cache = dict(zip(zip(branch_len, bonus), range(NB)))
             seq.branch_tokens = drafted_t[b]

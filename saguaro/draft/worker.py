@@ -31,7 +31,9 @@ class DraftServer:
     def __init__(self, hello: Hello, device: str):
         draft = load_draft_model(hello, device)
         self.speculator = Speculator(draft, hello.num_speculative_tokens, hello.fan_out, hello.saguaro_c)
-        self.ready = Ready(vocab_size=draft.config.vocab_size, num_layers=draft.config.num_layers, pid=os.getpid())
+        head = draft.head_token_ids.tolist() if draft.config.head_vocab_size is not None else None
+        self.ready = Ready(vocab_size=draft.config.vocab_size, num_layers=draft.config.num_layers, pid=os.getpid(),
+                           head_token_ids=head)
         self.fill_time = 0.0
         self.pending: list[int] = []  # requests whose cache is to be filled after the reply
 

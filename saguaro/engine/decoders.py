@@ -48,23 +48,26 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Feeds each row's pending chunk, then drafts u.shape[1] tokens one at a time.
 
-    reshape(i, probs, logits) may change the distribution draft token i is sampled from (Saguaro
-    sampling); the returned distributions are the ones really sampled from.
-    Returns tokens [B, K] and distributions [B, K, V], or None when every row is greedy (the
-    drafts are then argmaxes: point masses, which verification rebuilds from the tokens)."""
+    Sampling happens over the model's head rows (`head_logits`): a reduced head holds all the
+    mass at a fraction of the vocabulary's width. reshape(i, probs, logits) may change the
+    distribution draft token i is sampled from (Saguaro sampling); the returned distributions
+    are the ones really sampled from.
+    Returns tokens [B, K] (vocabulary ids) and distributions over the head rows [B, K, H]
+    (`model.to_vocab` widens them), or None when every row is greedy (the drafts are then
+    argmaxes: point masses, which verification rebuilds from the tokens)."""
     k = u.shape[1]
     hidden = last_hidden(forward_chunks(model, cache, rows, chunks, starts), chunks)
     ends = [s + len(c) for s, c in zip(starts, chunks)]
     tokens, probs = [], []
     for i in range(k):
-        logits = model.logits(hidden)
+        logits = model.head_logits(hidden)
         if params.all_greedy:
-            token = logits.argmax(-1)
+            token = model.head_token(logits.argmax(-1))
         else:
             q = warp(logits, params)
             if reshape is not None:
                 q = reshape(i, q, logits)
-            token = sample(q, u[:, i])
+            token = model.head_token(sample(q, u[:, i]))
             probs.append(q)
         tokens.append(token)
         if i < k - 1:
@@ -200,7 +203,7 @@ class SDDecoder(ARDecoder):
                                              params, u)
         for seq in seqs:
             self.draft_len[seq.seq_id] = len(seq) + self.k - 1
-        return tokens, probs
+        return tokens, None if probs is None else self.draft.to_vocab(probs)
 
     def step(self, seqs: list[Sequence]) -> None:
         draft_tokens, draft_probs = self.propose(seqs)

@@ -19,7 +19,7 @@ from saguaro.draft.fanout import SpeedModel, acceptance_rate, geometric_fan_out
 from saguaro.draft.protocol import DraftUnavailable, SpecRequest
 from saguaro.engine.decoders import ARDecoder, point_masses
 from saguaro.engine.sequence import Sequence
-from saguaro.models.llama import LlamaModel
+from saguaro.models.llama import LlamaModel, scatter_to_vocab
 
 BACKUPS = ("auto", "neural", "fast")
 
@@ -74,6 +74,8 @@ class SSDDecoder(ARDecoder):
         self.k = client.config.num_speculative_tokens
         self.outcomes: dict[int, tuple[int, int] | None] = {}
         self.stats = SSDStats()
+        head = client.ready.head_token_ids
+        self.draft_head_ids = None if head is None else torch.tensor(head)  # rows of its distributions
         self.draft_lost = False
         self.fan_out = list(client.config.fan_out)
         self._new_fan_out: list[int] | None = None
@@ -128,7 +130,7 @@ class SSDDecoder(ARDecoder):
         probs = None
         if any(p is not None for p in spec.probs):
             masses = point_masses(tokens, self.target.config.vocab_size)
-            probs = torch.stack([m if p is None else p for m, p in zip(masses, spec.probs)])
+            probs = torch.stack([m if p is None else self._to_vocab(p) for m, p in zip(masses, spec.probs)])
         new_outcomes = self.verify_and_commit(seqs, tokens, probs)
         verified = time.perf_counter()
         self._record(seqs, outcomes, spec, new_outcomes, backup, received - asked, verified - received)
@@ -140,6 +142,12 @@ class SSDDecoder(ARDecoder):
             fan_out = self.plan.fan_out(lengths[-256:], self.k) if lengths else self.fan_out
             if fan_out != self.fan_out:
                 self.set_fan_out(fan_out)
+
+    def _to_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """A draft distribution over its head rows -> over the vocabulary (zero elsewhere)."""
+        if self.draft_head_ids is None:
+            return probs
+        return scatter_to_vocab(probs, self.draft_head_ids, self.target.config.vocab_size)
 
     def _record(self, seqs, previous, spec, outcomes, backup, wait_s, verify_s) -> None:
         stats = self.stats

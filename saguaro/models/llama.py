@@ -163,11 +163,29 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the full vocabulary. With a reduced head, tokens outside it get
         -inf: probability exactly zero, so the distribution a proposal is drawn from is exact."""
-        logits = self.lm_head(hidden).float()
+        return self.to_vocab(self.head_logits(hidden), float("-inf"))
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the head's own rows: the vocabulary, or a reduced head's tokens.
+        Drafts sample in this space (all the mass is there, at a fraction of the width) and
+        map rows to token ids with `head_token`."""
+        return self.lm_head(hidden).float()
+
+    def head_token(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.config.head_vocab_size is None else self.head_token_ids[rows]
+
+    def to_vocab(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """[..., head rows] -> [..., vocabulary], `fill` outside the head."""
         if self.config.head_vocab_size is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.head_token_ids, logits)
+            return values
+        return scatter_to_vocab(values, self.head_token_ids, self.config.vocab_size, fill)
+
+
+def scatter_to_vocab(values: torch.Tensor, token_ids: torch.Tensor, vocab_size: int,
+                     fill: float = 0.0) -> torch.Tensor:
+    """Places values [..., H] at columns token_ids [H] of a [..., vocab_size] tensor."""
+    full = values.new_full((*values.shape[:-1], vocab_size), fill)
+    return full.index_copy_(-1, token_ids.to(values.device), values)
 
 
 def causal_mask(slots: torch.Tensor) -> torch.Tensor:
