@@ -47,3 +47,14 @@ def test_fast_backup_wins_only_from_the_critical_batch_size_on():
     assert model.speedup(1, "neural") > model.speedup(1, "fast")
     assert model.speedup(2, "fast") > model.speedup(2, "neural")
     assert SpeedModel(1.0, 3.0, 3.0, 1.0, 0.5, 0.8).critical_batch_size() > 64  # no misses: never fast
+
+
+def test_branch_budget_follows_the_measured_fill_time():
+    from saguaro.engine.ssd import GeometricPlan
+
+    plan = GeometricPlan(budget=16, power_law_r=0.5, target_t_p=0.9)
+    assert plan.next_budget(16, t_p=1.8) == 8  # fill took twice the target: halve the branches
+    assert plan.next_budget(8, t_p=0.45) == 16  # room to spare: grow back, up to the budget
+    assert plan.next_budget(16, t_p=0.2) == 16
+    assert plan.next_budget(2, t_p=50.0) == 1  # never below one branch
+    assert sum(plan.fan_out([2, 1, 3], k=4, budget=5)) == 5

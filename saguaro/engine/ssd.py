@@ -54,14 +54,21 @@ class SSDStats:
 
 @dataclass
 class GeometricPlan:
-    """Re-plans a geometric fan-out from the acceptance measured so far (Theorem 12)."""
-    budget: int
+    """Re-plans a geometric fan-out from the acceptance measured so far (Theorem 12), under a
+    branch budget that keeps filling the cache within one verification."""
+    budget: int  # most branches per request
     power_law_r: float
     every_rounds: int = 16
+    target_t_p: float = 0.9  # cache-fill time / verification time to aim for
 
-    def fan_out(self, acceptance_lengths: list[int], k: int) -> list[int]:
+    def fan_out(self, acceptance_lengths: list[int], k: int, budget: int) -> list[int]:
         a = acceptance_rate(statistics.fmean(acceptance_lengths), k)
-        return geometric_fan_out(self.budget, k, a, self.power_law_r)
+        return geometric_fan_out(budget, k, a, self.power_law_r)
+
+    def next_budget(self, budget: int, t_p: float) -> int:
+        """Fill time grows about linearly with the branches (a larger batch means more of
+        them), so scale the budget towards target_t_p, within 1..self.budget."""
+        return max(1, min(self.budget, round(budget * self.target_t_p / max(t_p, 1e-6))))
 
 
 class SSDDecoder(ARDecoder):
@@ -80,6 +87,7 @@ class SSDDecoder(ARDecoder):
         self.fan_out = list(client.config.fan_out)
         self._new_fan_out: list[int] | None = None
         self.plan = plan
+        self.branch_budget = plan.budget if plan else None
         self._rounds = 0
 
     def set_fan_out(self, fan_out: list[int]) -> None:
@@ -138,8 +146,11 @@ class SSDDecoder(ARDecoder):
             self.outcomes[seq.seq_id] = outcome
         self._rounds += 1
         if self.plan is not None and self._rounds % self.plan.every_rounds == 0:
+            if self.stats.t_p:
+                self.branch_budget = self.plan.next_budget(
+                    self.branch_budget, statistics.median(self.stats.t_p[-self.plan.every_rounds:]))
             lengths = self.stats.hit_lengths + sum(self.stats.miss_lengths.values(), [])
-            fan_out = self.plan.fan_out(lengths[-256:], self.k) if lengths else self.fan_out
+            fan_out = self.plan.fan_out(lengths[-256:], self.k, self.branch_budget) if lengths else self.fan_out
             if fan_out != self.fan_out:
                 self.set_fan_out(fan_out)
 
