@@ -158,7 +158,7 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
                 if start + batch >= config.num_prompts and ssd_decoder is not None:
                     engine_stats[report.key(dataset, temperature, batch)] = ssd_decoder.stats.summary()
             llm.decoder = ssd_decoder or llm.decoder
-            llm.close()
+            llm.close()  # the sweep's worker needs the draft core now; closing again below is a no-op
             sweep = fan_out_sweep(config, prompts[config.datasets[0]], bar) if config.fan_out_sweep else None
     finally:
         llm.decoder = ssd_decoder or llm.decoder
