@@ -1,9 +1,12 @@
 """The draft's shape and its initialization from the target.
 
-The draft is a LlamaModel like any other: a few of the target's layers (copied, then trained),
-the target's embedding table (shared and frozen, so the checkpoint can leave it out) and a head
-over the tokens the target actually produces most often (a fraction of the cost of a
-full-vocabulary head, which would otherwise dominate a shallow draft's step time).
+A standalone draft is a LlamaModel like any other: a few of the target's layers (copied, then
+trained), the target's embedding table (shared and frozen, so the checkpoint can leave it out)
+and a head over the tokens the target actually produces most often (a fraction of the cost of
+a full-vocabulary head, which would otherwise dominate a shallow draft's step time). An EAGLE
+draft (saguaro.models.eagle) has the same parts, one layer, and a projection of [embedding,
+target hidden state] into that layer; its head rows stay the target's (frozen), because what it
+learns to predict is the target's hidden state, which those rows turn into logits.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.distill.teacher import Sequence
+from saguaro.models.eagle import model_class
 from saguaro.models.llama import LlamaModel, rope_inv_freq
 
 
@@ -21,6 +25,7 @@ from saguaro.models.llama import LlamaModel, rope_inv_freq
 class DraftSpec:
     layers: tuple[int, ...] = (0, 29)  # target layers the draft's layers start from
     head_vocab: int = 8192
+    eagle: bool = False  # an EAGLE-style draft: one layer (layers[0]) reading target hidden states
 
 
 def select_vocab(sequences: Seq[Sequence], size: int, vocab_size: int, always: Seq[int] = ()) -> torch.Tensor:
@@ -38,11 +43,17 @@ def select_vocab(sequences: Seq[Sequence], size: int, vocab_size: int, always: S
 
 def init_draft(target: LlamaModel, spec: DraftSpec, vocab_ids: torch.Tensor) -> LlamaModel:
     """An fp32 draft whose layers, final norm and head rows are copies of the target's."""
+    if spec.eagle and len(spec.layers) != 1:
+        raise ValueError("an EAGLE draft has one layer: give one target layer to start from")
     config = dataclasses.replace(target.config, num_layers=len(spec.layers), tie_word_embeddings=False,
-                                 head_vocab_size=len(vocab_ids))
-    draft = LlamaModel(config)
+                                 head_vocab_size=len(vocab_ids), eagle=spec.eagle)
+    draft = model_class(config)(config)
     state = {"embed_tokens.weight": target.embed_tokens.weight, "norm.weight": target.norm.weight,
              "lm_head.weight": target.lm_head.weight[vocab_ids], "head_token_ids": vocab_ids}
+    if spec.eagle:
+        # Starts as "the target's hidden state carried over": the embedding half is small noise.
+        hidden = config.hidden_size
+        state["fc.weight"] = torch.cat((torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(0)) * 0.02 / hidden ** 0.5, torch.eye(hidden)), dim=1)
     target_state = target.state_dict()
     for i, j in enumerate(spec.layers):
         for name, value in target_state.items():
@@ -51,4 +62,6 @@ def init_draft(target: LlamaModel, spec: DraftSpec, vocab_ids: torch.Tensor) -> 
     draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     draft.inv_freq = rope_inv_freq(config)
     draft.embed_tokens.weight.requires_grad_(False)
+    if spec.eagle:
+        draft.lm_head.weight.requires_grad_(False)
     return draft

@@ -36,6 +36,7 @@ class Sequence:
     num_prompt: int
     topk_ids: torch.Tensor  # [L-1, k] int32
     topk_logits: torch.Tensor  # [L-1, k] float16
+    features: torch.Tensor | None = None  # [L, hidden] the target's final hidden states (EAGLE drafts)
 
 
 # --- prompts ---------------------------------------------------------------------------------
@@ -156,6 +157,38 @@ def save_shard(sequences: list[Sequence], path: Path) -> None:
 
 def load_shard(path: Path) -> list[Sequence]:
     return [Sequence(**record) for record in torch.load(path)]
+
+
+@torch.inference_mode()
+def target_features(target: LlamaModel, sequences: list[Sequence]) -> list[torch.Tensor]:
+    """The target's final hidden state at every position of each sequence, [L, hidden] bf16:
+    what an EAGLE draft reads (and learns to predict)."""
+    features = []
+    for s in sequences:
+        n = len(s.tokens)
+        cache = KVCache(target.config, 1, n, target.dtype, target.device)
+        hidden = target(s.tokens.long()[None].to(target.device), torch.arange(n, device=target.device)[None], cache)
+        features.append(hidden[0].to(device="cpu", dtype=torch.bfloat16))
+    return features
+
+
+def with_features(target: LlamaModel, shards: list[Path], progress=None) -> list[Sequence]:
+    """The shards' sequences with the target's hidden states attached. Features are cached
+    next to each shard (features_NNNNN.pt), so an interrupted run resumes."""
+    sequences = []
+    for shard in shards:
+        batch = load_shard(shard)
+        path = shard.with_name(shard.name.replace("shard_", "features_"))
+        if not path.exists():
+            partial = path.with_suffix(".partial")
+            torch.save(target_features(target, batch), partial)
+            partial.replace(path)
+        for s, f in zip(batch, torch.load(path)):
+            s.features = f
+        sequences += batch
+        if progress is not None:
+            progress.update(1)
+    return sequences
 
 
 def generate_shards(target: LlamaModel, batches: list[list[list[int]]], folder: Path,

@@ -35,6 +35,8 @@ class TrainConfig:
     eval_every: int = 100
     checkpoint_every: int = 100
     seed: int = 0
+    feature_weight: float = 1.0  # EAGLE drafts: weight of the hidden-state regression loss
+    unroll: int = 2  # EAGLE drafts: passes, each fed the previous pass's own guesses (>= 1)
 
 
 @dataclass
@@ -46,6 +48,8 @@ class Batch:
     target_logits: torch.Tensor  # [B, T, k]
     weight: torch.Tensor  # [B, T] loss weight (0 at padding and at each sequence's last token)
     teacher_top1: torch.Tensor  # [B, T] vocabulary id of the teacher's first choice
+    features: torch.Tensor | None = None  # [B, T, hidden] target hidden states (EAGLE drafts)
+    previous: torch.Tensor | None = None  # [B, T] index of the position before, -1 at a start
 
 
 def split_heldout(sequences: Seq[Sequence], every: int = 20) -> tuple[list[Sequence], list[Sequence]]:
@@ -80,6 +84,8 @@ def make_batch(rows: Seq[Seq[Sequence]], row_len: int, to_draft: torch.Tensor, p
     target_logits = torch.zeros(B, row_len, k)
     weight = torch.zeros(B, row_len)
     top1 = torch.full((B, row_len), -1, dtype=torch.long)
+    with_features = rows[0][0].features is not None
+    features = torch.zeros(B, row_len, rows[0][0].features.shape[-1]) if with_features else None
     for b, row in enumerate(rows):
         start = 0
         for j, s in enumerate(row):
@@ -95,11 +101,14 @@ def make_batch(rows: Seq[Seq[Sequence]], row_len: int, to_draft: torch.Tensor, p
             w = torch.ones(n - 1)
             w[:s.num_prompt - 1] = 0.0 if generated_only else prompt_weight
             weight[b, start:start + n - 1] = w
+            if with_features:
+                features[b, span] = s.features[:n].float()
             start += n
     idx = torch.arange(row_len)
     mask = (segment[:, :, None] == segment[:, None, :]) & (idx[None, :] <= idx[:, None]) & (segment[:, :, None] >= 0)
     mask |= torch.eye(row_len, dtype=torch.bool)  # padding attends to itself, so no row is empty
-    return Batch(tokens, positions, mask, target_ids, target_logits, weight, top1)
+    previous = torch.where(positions > 0, idx - 1, -1)
+    return Batch(tokens, positions, mask, target_ids, target_logits, weight, top1, features, previous)
 
 
 class PassCache:
@@ -113,13 +122,45 @@ class PassCache:
         return k.transpose(1, 2), v.transpose(1, 2)
 
 
-def head_logits(draft: LlamaModel, batch: Batch) -> torch.Tensor:
-    """Logits over the draft's own (reduced) head vocabulary, [B, T, V_draft]."""
+def draft_hidden(draft: LlamaModel, batch: Batch, features: torch.Tensor | None = None) -> torch.Tensor:
+    """The draft's final hidden states [B, T, hidden] over whole packed rows. An EAGLE draft
+    reads at each position the features of the position before (zeros at a sequence start):
+    the target's (`batch.features`) unless `features` gives others (its own earlier guesses)."""
     B, T = batch.tokens.shape
     cache = PassCache(T)
+    extra = {}
+    if draft.reads_features:
+        source = batch.features if features is None else features
+        index = batch.previous.clamp(min=0)[..., None].expand(-1, -1, source.shape[-1])
+        extra["features"] = source.gather(1, index) * (batch.previous >= 0)[..., None]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        hidden = draft(batch.tokens, batch.positions, cache, slots=torch.arange(T).expand(B, T), mask=batch.mask)
+        return draft(batch.tokens, batch.positions, cache, slots=torch.arange(T).expand(B, T), mask=batch.mask, **extra)
+
+
+def head_logits(draft: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits over the draft's own (reduced) head vocabulary, [B, T, V_draft]."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
         return draft.lm_head(hidden).float()
+
+
+def batch_loss(draft: LlamaModel, batch: Batch, config: TrainConfig) -> torch.Tensor:
+    """Distillation loss; for an EAGLE draft also the regression of its hidden states on the
+    target's, over `unroll` passes: pass i reads the guesses of pass i-1, as in drafting, where
+    every token after the first is drafted from the draft's own features."""
+    if not draft.reads_features:
+        return distill_loss(head_logits(draft, draft_hidden(draft, batch)), batch)
+    loss, features = 0.0, None
+    for _ in range(config.unroll):
+        hidden = draft_hidden(draft, batch, features)
+        loss = loss + distill_loss(head_logits(draft, hidden), batch)
+        loss = loss + config.feature_weight * feature_loss(hidden.float(), batch)
+        features = hidden.detach().float()
+    return loss / config.unroll
+
+
+def feature_loss(hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+    per_position = F.smooth_l1_loss(hidden, batch.features, reduction="none").mean(-1)
+    return (per_position * batch.weight).sum() / batch.weight.sum().clamp(min=1e-9)
 
 
 def distill_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -134,20 +175,31 @@ def distill_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(draft: LlamaModel, batches: Seq[Batch]) -> dict[str, float]:
     """On generated positions: top-1 agreement with the teacher, and the KL from the teacher's
-    top-k (restricted to the draft's vocabulary, renormalized) to the draft."""
-    agree = kl = count = 0.0
+    top-k (restricted to the draft's vocabulary, renormalized) to the draft. An EAGLE draft is
+    scored reading the target's features, and (`top1_own`) reading its own guesses of them."""
+    scores = {"top1": 0.0, "kl": 0.0}
+    if draft.reads_features:
+        scores["top1_own"] = 0.0
+    count = 0.0
     for batch in batches:
-        logits = head_logits(draft, batch)
         valid = batch.weight > 0
-        draft_top1 = draft.head_token_ids[logits.argmax(-1)]
-        agree += ((draft_top1 == batch.teacher_top1) & valid).sum().item()
+        hidden = draft_hidden(draft, batch)
+        logits = head_logits(draft, hidden)
+        scores["top1"] += _agreement(draft, logits, batch, valid)
         logq = logits.log_softmax(-1).gather(-1, batch.target_ids.clamp(min=0))
         in_vocab = batch.target_ids >= 0
         logp = batch.target_logits.masked_fill(~in_vocab, float("-inf")).log_softmax(-1)
         terms = torch.where(in_vocab, logp.exp() * (logp - logq), torch.zeros_like(logq))
-        kl += (terms.sum(-1) * valid).sum().item()
+        scores["kl"] += (terms.sum(-1) * valid).sum().item()
+        if draft.reads_features:
+            own = head_logits(draft, draft_hidden(draft, batch, hidden.float()))
+            scores["top1_own"] += _agreement(draft, own, batch, valid)
         count += valid.sum().item()
-    return {"top1": agree / max(count, 1), "kl": kl / max(count, 1)}
+    return {name: value / max(count, 1) for name, value in scores.items()}
+
+
+def _agreement(draft: LlamaModel, logits: torch.Tensor, batch: Batch, valid: torch.Tensor) -> float:
+    return ((draft.head_token_ids[logits.argmax(-1)] == batch.teacher_top1) & valid).sum().item()
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -200,7 +252,7 @@ def train(draft: LlamaModel, train_seqs: Seq[Sequence], heldout_seqs: Seq[Sequen
         batch = make_batch(rows[i * config.rows:(i + 1) * config.rows], config.row_len, to_draft, config.prompt_weight)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
-        loss = distill_loss(head_logits(draft, batch), batch)
+        loss = batch_loss(draft, batch, config)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -62,8 +62,8 @@ class DraftClient:
         self.alive = True
 
     def prefill(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
-                max_len: int, num_rows: int) -> None:
-        self._send(Prefill(seq_ids, token_ids, params, max_len, num_rows))
+                max_len: int, num_rows: int, features: list[torch.Tensor] | None = None) -> None:
+        self._send(Prefill(seq_ids, token_ids, params, max_len, num_rows, features))
 
     def speculate(self, request: SpecRequest) -> Speculation:
         self._send(request)
@@ -115,8 +115,8 @@ class InProcessDraft:
         self.alive = True
 
     def prefill(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
-                max_len: int, num_rows: int) -> None:
-        self.server.handle(Prefill(seq_ids, token_ids, params, max_len, num_rows))
+                max_len: int, num_rows: int, features: list[torch.Tensor] | None = None) -> None:
+        self.server.handle(Prefill(seq_ids, token_ids, params, max_len, num_rows, features))
 
     def speculate(self, request: SpecRequest) -> Speculation:
         reply = self.server.handle(request)

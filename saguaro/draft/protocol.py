@@ -3,7 +3,8 @@
 Messages are small dataclasses pickled into one byte tensor and sent point-to-point through a
 `torch.distributed` process group of its own (gloo on CPU, NCCL on CUDA), so two engines can
 share a host and the worker can live on another one. Only token ids, outcome keys and, at
-temperature > 0, the proposal distributions verification needs cross the wire.
+temperature > 0, the proposal distributions verification needs, and for an EAGLE draft the
+target's hidden states of the committed tokens cross the wire.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class Prefill:
     params: list[SamplingParams]
     max_len: int  # longest a sequence may grow, for the draft's KV cache
     num_rows: int  # requests the target may hold at once
+    features: list[torch.Tensor] | None = None  # EAGLE drafts: the target's hidden states, [prompt, hidden]
 
 
 @dataclass
@@ -52,6 +54,9 @@ class SpecRequest:
     outcomes: list[tuple[int, int] | None]  # (accepted_len, bonus_token)
     backup: str
     fan_out: list[int] | None = None  # a new fan-out, when the engine re-plans it
+    # EAGLE drafts: the target's hidden states at the tokens it ran and committed last round,
+    # [accepted_len + 1, hidden] per request (None on its first round).
+    features: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -83,6 +88,7 @@ class Ready:
     num_layers: int
     pid: int
     head_token_ids: list[int] | None = None  # a reduced head's token ids: what its rows stand for
+    reads_features: bool = False  # an EAGLE draft: send the target's hidden states
 
 
 # --- channel ---------------------------------------------------------------------------------

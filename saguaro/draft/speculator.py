@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.engine.decoders import autoregressive_draft, ensure_cache
+from saguaro.engine.decoders import FeatureLog, autoregressive_draft, ensure_cache
 from saguaro.engine.kv_cache import KVCache
-from saguaro.engine.runner import forward_chunks
+from saguaro.engine.runner import forward_chunks, last_hidden
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
 from saguaro.models.llama import LlamaModel
 
@@ -32,6 +32,7 @@ class DraftSequence:
     generator: torch.Generator
     row: int
     cached_len: int  # committed tokens whose KV entries sit contiguously in the draft cache
+    # (for an EAGLE draft: computed from the target's features, not from its own guesses)
     spec: list[int] = field(default_factory=list)  # the speculation being verified
     cache: dict[Outcome, int] = field(default_factory=dict)  # predicted outcome -> branch
     branch_tokens: list[list[int]] = field(default_factory=list)  # [branches][K]
@@ -68,6 +69,7 @@ class Speculator:
         self.cache: KVCache | None = None
         self.seqs: dict[int, DraftSequence] = {}
         self.max_len = 0
+        self.features = FeatureLog() if draft.reads_features else None
         self.set_fan_out(fan_out)
 
     def set_fan_out(self, fan_out: list[int]) -> None:
@@ -88,8 +90,9 @@ class Speculator:
         self.cache = ensure_cache(self.cache, self.draft, num_rows, num_slots + self.k + 1 + tree)
 
     def add(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
-            max_len: int, num_rows: int) -> None:
-        """Registers requests (prompt + first token) and runs their prompts through the draft."""
+            max_len: int, num_rows: int, features: list[torch.Tensor] | None = None) -> None:
+        """Registers requests (prompt + first token) and runs their prompts through the draft.
+        An EAGLE draft needs `features`: the target's hidden states over each prompt."""
         self.reserve(max(num_rows, len(self.seqs) + len(seq_ids)), max_len)
         free = sorted(set(range(self.cache.num_rows)) - {s.row for s in self.seqs.values()})
         new = []
@@ -99,21 +102,42 @@ class Speculator:
             seq = DraftSequence(sid, list(ids), p, gen, free.pop(0), cached_len=len(ids) - 1)
             self.seqs[sid] = seq
             new.append(seq)
-        forward_chunks(self.draft, self.cache, [s.row for s in new], [s.token_ids[:-1] for s in new], [0] * len(new))
+        self._log_features(seq_ids, features)
+        forward_chunks(self.draft, self.cache, [s.row for s in new], [s.token_ids[:-1] for s in new], [0] * len(new),
+                       self._features(new, [0] * len(new), [len(s.token_ids) - 1 for s in new]))
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
             self.seqs.pop(sid, None)
+            if self.features is not None:
+                self.features.drop(sid)
+
+    def _log_features(self, seq_ids: list[int], features: list[torch.Tensor | None] | None) -> None:
+        if self.features is None:
+            return
+        if features is None:
+            raise ValueError("an EAGLE draft needs the target's hidden states with every request")
+        for sid, f in zip(seq_ids, features):
+            if f is not None:
+                self.features.add(sid, f.to(self.draft.device))
+
+    def _features(self, seqs: list[DraftSequence], starts: list[int], ends: list[int]) -> list[torch.Tensor] | None:
+        """What an EAGLE draft reads with tokens start..end-1 of each request."""
+        if self.features is None:
+            return None
+        return [self.features.inputs(s.seq_id, a, b) for s, a, b in zip(seqs, starts, ends)]
 
     # --- answering ------------------------------------------------------------------------
 
-    def speculate(self, seq_ids: list[int], outcomes: list[Outcome | None], backup: str
+    def speculate(self, seq_ids: list[int], outcomes: list[Outcome | None], backup: str,
+                  features: list[torch.Tensor | None] | None = None
                   ) -> tuple[list[list[int]], list[bool], list[torch.Tensor | None]]:
         """Applies each request's last outcome and returns its next speculation: from the cache
         on a hit, else from the backup ("neural": the draft just in time; "fast": n-gram).
         Distributions are copied out of the batched tensors they are views of: a pickled view
         carries its whole storage (all branches of all requests) over the wire."""
         seqs = [self.seqs[sid] for sid in seq_ids]
+        self._log_features(seq_ids, features)
         hits, probs = [], [None] * len(seqs)
         for i, (seq, outcome) in enumerate(zip(seqs, outcomes)):
             hit = False
@@ -145,9 +169,10 @@ class Speculator:
         starts = [s.cached_len for s in seqs]
         tokens, probs = autoregressive_draft(
             self.draft, self.cache, [s.row for s in seqs], chunks, starts, self._warp_params(seqs),
-            self._uniforms(seqs, self.k), reshape=self._sigma)
+            self._uniforms(seqs, self.k), reshape=self._sigma,
+            features=self._features(seqs, starts, [len(s.token_ids) for s in seqs]))
         for seq in seqs:
-            seq.cached_len = len(seq.token_ids) + self.k - 1
+            seq.cached_len = len(seq.token_ids) + (0 if self.draft.reads_features else self.k - 1)
         return tokens, probs
 
     def _sigma(self, position: int, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -172,23 +197,37 @@ class Speculator:
         seqs = [self.seqs[sid] for sid in seq_ids if sid in self.seqs]
         if not seqs or self.num_branches == 0:
             return time.perf_counter() - start
-        position_logits = self._glue(seqs)
-        branch_len, branch_token = self._candidates(seqs, position_logits)
-        self._decode_tree(seqs, branch_len, branch_token)
+        position_hidden = self._glue(seqs)
+        branch_len, branch_token = self._candidates(seqs, self.draft.logits(position_hidden))
+        self._decode_tree(seqs, branch_len, branch_token, position_hidden)
         return time.perf_counter() - start
 
     def _glue(self, seqs: list[DraftSequence]) -> torch.Tensor:
-        """One pass over [last committed, d_1..d_K] (plus anything not yet cached): KV entries
-        for the shared prefix, and the draft's logits at the K+1 positions [B, K+1, V]."""
+        """A pass over [last committed, d_1..d_K] (plus anything not yet cached): KV entries
+        for the shared prefix, and the draft's hidden states at those K+1 positions [B, K+1,
+        hidden]. An EAGLE draft reads the target's features up to the last committed token and
+        its own guesses after it, so it goes over the speculation one token at a time."""
         k = self.k
         starts = [min(s.cached_len, len(s.token_ids) - 1) for s in seqs]
+        rows = [s.row for s in seqs]
+        if self.draft.reads_features:
+            chunks = [s.token_ids[st:] for s, st in zip(seqs, starts)]
+            ends = [len(s.token_ids) for s in seqs]
+            hidden = [last_hidden(forward_chunks(self.draft, self.cache, rows, chunks, starts,
+                                                 self._features(seqs, starts, ends)), chunks)]
+            for i in range(k):
+                step = [[s.spec[i]] for s in seqs]
+                hidden.append(forward_chunks(self.draft, self.cache, rows, step, [e + i for e in ends],
+                                             list(hidden[-1][:, None]))[:, 0])
+            for seq in seqs:
+                seq.cached_len = len(seq.token_ids)
+            return torch.stack(hidden, 1)
         chunks = [s.token_ids[st:] + s.spec for s, st in zip(seqs, starts)]
-        hidden = forward_chunks(self.draft, self.cache, [s.row for s in seqs], chunks, starts)
+        hidden = forward_chunks(self.draft, self.cache, rows, chunks, starts)
         last = torch.tensor([len(c) - k - 1 for c in chunks])[:, None] + torch.arange(k + 1)
-        hidden = hidden[torch.arange(len(seqs))[:, None], last.to(hidden.device)]
         for seq in seqs:
             seq.cached_len = len(seq.token_ids) + k
-        return self.draft.logits(hidden)
+        return hidden[torch.arange(len(seqs))[:, None], last.to(hidden.device)]
 
     def _candidates(self, seqs: list[DraftSequence], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Branches: accepted length j repeated fan_out[j] times, and for each request the top
@@ -203,9 +242,11 @@ class Speculator:
                 tokens.append(logits[:, j].topk(f, dim=-1).indices)
         return branch_len, torch.cat(tokens, dim=1)
 
-    def _decode_tree(self, seqs: list[DraftSequence], branch_len: list[int], first: torch.Tensor) -> None:
+    def _decode_tree(self, seqs: list[DraftSequence], branch_len: list[int], first: torch.Tensor,
+                     position_hidden: torch.Tensor) -> None:
         """Drafts K tokens after every branch's bonus candidate, one forward per depth over all
-        branches. Branch slots follow each row's glue entries, depth-major."""
+        branches. Branch slots follow each row's glue entries, depth-major. An EAGLE draft reads
+        with each bonus candidate the glue's output before it, then its own outputs."""
         B, NB = first.shape
         k, device = self.k, self.draft.device
         committed = torch.tensor([len(s.token_ids) for s in seqs], device=device)  # n
@@ -217,6 +258,7 @@ class Speculator:
         rows = torch.tensor([s.row for s in seqs], device=device)
         branch = torch.arange(NB, device=device)
         tokens, drafted, probs = first, [], []
+        extra = {"features": position_hidden[:, branch_len]} if self.draft.reads_features else {}
         for depth in range(k):
             span = int(base.max()) + (depth + 1) * NB
             slot_ids = torch.arange(span, device=device)
@@ -225,7 +267,9 @@ class Speculator:
             mask = (slot_ids[None, None] <= prefix_end[..., None]) | in_branch
             positions = committed[:, None] + accepted[None] + depth
             slots = (base[:, None] + depth * NB + branch[None]).expand(B, NB)
-            hidden = self.draft(tokens, positions, self.cache, rows=rows, slots=slots, mask=mask)
+            hidden = self.draft(tokens, positions, self.cache, rows=rows, slots=slots, mask=mask, **extra)
+            if extra:
+                extra["features"] = hidden
             logits = self.draft.head_logits(hidden).flatten(0, 1)
             if params.all_greedy:
                 tokens = self.draft.head_token(logits.argmax(-1)).view(B, NB)

@@ -33,7 +33,7 @@ class DraftServer:
         self.speculator = Speculator(draft, hello.num_speculative_tokens, hello.fan_out, hello.saguaro_c)
         head = draft.head_token_ids.tolist() if draft.config.head_vocab_size is not None else None
         self.ready = Ready(vocab_size=draft.config.vocab_size, num_layers=draft.config.num_layers, pid=os.getpid(),
-                           head_token_ids=head)
+                           head_token_ids=head, reads_features=draft.reads_features)
         self.fill_time = 0.0
         self.pending: list[int] = []  # requests whose cache is to be filled after the reply
 
@@ -42,12 +42,13 @@ class DraftServer:
         """Applies a message; returns the reply a SpecRequest needs, None otherwise."""
         if isinstance(message, Prefill):
             self.speculator.add(message.seq_ids, message.token_ids, message.params, message.max_len,
-                                message.num_rows)
+                                message.num_rows, message.features)
         elif isinstance(message, SpecRequest):
             if message.fan_out is not None:
                 self.speculator.set_fan_out(message.fan_out)
             start = time.perf_counter()
-            tokens, hits, probs = self.speculator.speculate(message.seq_ids, message.outcomes, message.backup)
+            tokens, hits, probs = self.speculator.speculate(message.seq_ids, message.outcomes, message.backup,
+                                                            message.features)
             self.pending = message.seq_ids
             return Speculation(tokens, hits, probs, self.fill_time, time.perf_counter() - start)
         elif isinstance(message, Release):

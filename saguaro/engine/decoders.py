@@ -42,11 +42,41 @@ def point_masses(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.zeros(*tokens.shape, vocab_size, device=tokens.device).scatter_(-1, tokens[..., None], 1.0)
 
 
+class FeatureLog:
+    """The target's final hidden state at every position of each sequence, for an EAGLE draft,
+    which reads h_{t-1} together with token t (saguaro.models.eagle)."""
+
+    def __init__(self):
+        self.known: dict[int, list[torch.Tensor]] = {}  # seq_id -> chunks of h_0, h_1, ...
+
+    def add(self, seq_id: int, hidden: torch.Tensor) -> None:
+        self.known.setdefault(seq_id, []).append(hidden)
+
+    def drop(self, seq_id: int) -> None:
+        self.known.pop(seq_id, None)
+
+    def take(self, seq_id: int) -> torch.Tensor | None:
+        """Everything added since the last take (what SSD sends the worker), forgotten here."""
+        chunks = self.known.pop(seq_id, None)
+        return torch.cat(chunks) if chunks else None
+
+    def inputs(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+        """The features read with tokens start..end-1: h_{start-1}..h_{end-2}, zeros for h_{-1}."""
+        chunks = self.known[seq_id]
+        if len(chunks) > 1:
+            chunks[:] = [torch.cat(chunks)]
+        rows = chunks[0][max(start - 1, 0):end - 1]
+        if start == 0:
+            rows = torch.cat((rows.new_zeros(1, rows.shape[-1]), rows))
+        return rows
+
+
 def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]],
                          starts: list[int], params: WarpParams, u: torch.Tensor,
-                         reshape: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feeds each row's pending chunk, then drafts u.shape[1] tokens one at a time.
+                         reshape: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                         features: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feeds each row's pending chunk, then drafts u.shape[1] tokens one at a time. An EAGLE
+    draft reads `features` with the chunks, then its own output at each drafted token.
 
     Sampling happens over the model's head rows (`head_logits`): a reduced head holds all the
     mass at a fraction of the vocabulary's width. reshape(i, probs, logits) may change the
@@ -56,7 +86,7 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
     (`model.to_vocab` widens them), or None when every row is greedy (the drafts are then
     argmaxes: point masses, which verification rebuilds from the tokens)."""
     k = u.shape[1]
-    hidden = last_hidden(forward_chunks(model, cache, rows, chunks, starts), chunks)
+    hidden = last_hidden(forward_chunks(model, cache, rows, chunks, starts, features), chunks)
     ends = [s + len(c) for s, c in zip(starts, chunks)]
     tokens, probs = [], []
     for i in range(k):
@@ -72,7 +102,7 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
         tokens.append(token)
         if i < k - 1:
             step = [[t] for t in token.tolist()]
-            hidden = forward_chunks(model, cache, rows, step, [e + i for e in ends])[:, 0]
+            hidden = forward_chunks(model, cache, rows, step, [e + i for e in ends], list(hidden[:, None]))[:, 0]
     return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None
 
 
@@ -92,6 +122,7 @@ class ARDecoder:
         self.target = target
         self.cache: KVCache | None = None
         self.rows: dict[int, int] = {}  # seq_id -> cache row
+        self.features: FeatureLog | None = None  # kept when an EAGLE draft reads them
 
     @property
     def lookahead(self) -> int:
@@ -113,6 +144,8 @@ class ARDecoder:
         """Frees the cache rows of finished (or cancelled) sequences."""
         for seq in seqs:
             self.rows.pop(seq.seq_id, None)
+            if self.features is not None:
+                self.features.drop(seq.seq_id)
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """Runs the prompts and commits each sequence's first token."""
@@ -120,14 +153,16 @@ class ARDecoder:
         chunks = [s.prompt_ids for s in seqs]
         hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [0] * len(seqs))
         first = sample_next(self.target.logits(last_hidden(hidden, chunks)), seqs)
-        for seq, token in zip(seqs, first):
+        for i, (seq, token) in enumerate(zip(seqs, first)):
             seq.commit([token])
+            self._log_features(seq, hidden[i, :len(chunks[i])])
 
     def step(self, seqs: list[Sequence]) -> None:
         chunks = [[s.token_ids[-1]] for s in seqs]
         hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
-        for seq, token in zip(seqs, sample_next(self.target.logits(hidden[:, 0]), seqs)):
+        for i, (seq, token) in enumerate(zip(seqs, sample_next(self.target.logits(hidden[:, 0]), seqs))):
             seq.commit([token])
+            self._log_features(seq, hidden[i, :1])
 
     def verify_and_commit(self, seqs: list[Sequence], draft_tokens: torch.Tensor,
                           draft_probs: torch.Tensor | None) -> list[tuple[int, int]]:
@@ -150,10 +185,16 @@ class ARDecoder:
             u = uniforms([s.generator for s in seqs], K + 1).to(device)
             accepted_len, bonus = verify(draft_tokens, draft_probs.to(device), target_probs, u[:, :K], u[:, K])
         outcomes = list(zip(accepted_len.tolist(), bonus.tolist()))
-        for seq, drafts, (k, bonus_token) in zip(seqs, draft_tokens.tolist(), outcomes):
+        for i, (seq, drafts, (k, bonus_token)) in enumerate(zip(seqs, draft_tokens.tolist(), outcomes)):
             seq.commit(drafts[:k] + [bonus_token])
             seq.stats.acceptance_lengths.append(k + 1)
+            self._log_features(seq, hidden[i, :k + 1])
         return outcomes
+
+    def _log_features(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Keeps the target's hidden states of the tokens it just ran, when a draft reads them."""
+        if self.features is not None and not seq.finished:
+            self.features.add(seq.seq_id, hidden)
 
     def _rows(self, seqs: list[Sequence]) -> list[int]:
         return [self.rows[s.seq_id] for s in seqs]
@@ -171,6 +212,8 @@ class SDDecoder(ARDecoder):
         self.k = num_speculative_tokens
         self.draft_cache: KVCache | None = None
         self.draft_len: dict[int, int] = {}  # seq_id -> tokens whose KV the draft cache holds
+        if draft.reads_features:
+            self.features = FeatureLog()
 
     @property
     def lookahead(self) -> int:
@@ -188,7 +231,8 @@ class SDDecoder(ARDecoder):
     def prefill(self, seqs: list[Sequence]) -> None:
         super().prefill(seqs)
         chunks = [s.prompt_ids for s in seqs]
-        forward_chunks(self.draft, self.draft_cache, self._rows(seqs), chunks, [0] * len(seqs))
+        forward_chunks(self.draft, self.draft_cache, self._rows(seqs), chunks, [0] * len(seqs),
+                       self._draft_features(seqs, [0] * len(seqs), [len(c) for c in chunks]))
         for seq in seqs:
             self.draft_len[seq.seq_id] = len(seq.prompt_ids)
 
@@ -200,10 +244,17 @@ class SDDecoder(ARDecoder):
         params = WarpParams.of([s.params for s in seqs], self.draft.device)
         u = uniforms([s.generator for s in seqs], self.k).to(self.draft.device)
         tokens, probs = autoregressive_draft(self.draft, self.draft_cache, self._rows(seqs), chunks, starts,
-                                             params, u)
+                                             params, u, features=self._draft_features(seqs, starts, [len(s) for s in seqs]))
         for seq in seqs:
-            self.draft_len[seq.seq_id] = len(seq) + self.k - 1
+            # An EAGLE draft ran the drafted tokens on its own guessed features: redone with
+            # the target's once they are verified.
+            self.draft_len[seq.seq_id] = len(seq) + (0 if self.draft.reads_features else self.k - 1)
         return tokens, None if probs is None else self.draft.to_vocab(probs)
+
+    def _draft_features(self, seqs: list[Sequence], starts: list[int], ends: list[int]) -> list[torch.Tensor] | None:
+        if self.features is None:
+            return None
+        return [self.features.inputs(s.seq_id, a, b) for s, a, b in zip(seqs, starts, ends)]
 
     def step(self, seqs: list[Sequence]) -> None:
         draft_tokens, draft_probs = self.propose(seqs)

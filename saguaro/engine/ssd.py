@@ -17,7 +17,7 @@ import torch
 from saguaro.draft.client import DraftClient
 from saguaro.draft.fanout import SpeedModel, acceptance_rate, geometric_fan_out
 from saguaro.draft.protocol import DraftUnavailable, SpecRequest
-from saguaro.engine.decoders import ARDecoder, point_masses
+from saguaro.engine.decoders import ARDecoder, FeatureLog, point_masses
 from saguaro.engine.sequence import Sequence
 from saguaro.models.llama import LlamaModel, scatter_to_vocab
 
@@ -84,6 +84,8 @@ class SSDDecoder(ARDecoder):
         head = client.ready.head_token_ids
         self.draft_head_ids = None if head is None else torch.tensor(head)  # rows of its distributions
         self.draft_lost = False
+        if client.ready.reads_features:
+            self.features = FeatureLog()
         self.fan_out = list(client.config.fan_out)
         self._new_fan_out: list[int] | None = None
         self.plan = plan
@@ -107,7 +109,8 @@ class SSDDecoder(ARDecoder):
         if not self.draft_lost:
             try:
                 self.client.prefill([s.seq_id for s in seqs], [s.token_ids for s in seqs],
-                                    [s.params for s in seqs], self.cache.num_slots - 1, self.cache.num_rows)
+                                    [s.params for s in seqs], self.cache.num_slots - 1, self.cache.num_rows,
+                                    self._take_features(seqs))
             except DraftUnavailable as e:
                 self._lose_draft(e)
 
@@ -128,7 +131,8 @@ class SSDDecoder(ARDecoder):
         outcomes = [self.outcomes[s.seq_id] for s in seqs]
         asked = time.perf_counter()
         try:
-            spec = self.client.speculate(SpecRequest([s.seq_id for s in seqs], outcomes, backup, self._new_fan_out))
+            spec = self.client.speculate(SpecRequest([s.seq_id for s in seqs], outcomes, backup, self._new_fan_out,
+                                                     self._take_features(seqs)))
             self._new_fan_out = None
         except DraftUnavailable as e:
             self._lose_draft(e)
@@ -153,6 +157,12 @@ class SSDDecoder(ARDecoder):
             fan_out = self.plan.fan_out(lengths[-256:], self.k, self.branch_budget) if lengths else self.fan_out
             if fan_out != self.fan_out:
                 self.set_fan_out(fan_out)
+
+    def _take_features(self, seqs: list[Sequence]) -> list[torch.Tensor | None] | None:
+        """The hidden states an EAGLE draft has not seen yet: the prompt's, then each round's."""
+        if self.features is None:
+            return None
+        return [self.features.take(s.seq_id) for s in seqs]
 
     def _to_vocab(self, probs: torch.Tensor) -> torch.Tensor:
         """A draft distribution over its head rows -> over the vocabulary (zero elsewhere)."""
@@ -200,6 +210,7 @@ class SSDDecoder(ARDecoder):
     def _lose_draft(self, error: Exception) -> None:
         warnings.warn(f"draft worker lost ({error}); continuing with autoregressive decoding", RuntimeWarning)
         self.draft_lost = True
+        self.features = None
         self.client.close()
 
     def close(self) -> None:

@@ -34,6 +34,9 @@ class ModelConfig:
     # A draft may predict only a subset of the vocabulary (a cheaper head): `head_vocab_size`
     # rows, whose token ids the model stores. Its logits stay full-vocabulary, -inf elsewhere.
     head_vocab_size: int | None = None
+    # An EAGLE-style draft (saguaro.models.eagle): its input is each token's embedding together
+    # with the target's hidden state at the previous position.
+    eagle: bool = False
 
     def __post_init__(self):
         if self.head_vocab_size is not None and self.tie_word_embeddings:

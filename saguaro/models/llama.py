@@ -118,6 +118,8 @@ class LlamaModel(nn.Module):
     Keeping the head separate lets callers pay for it only at the positions they sample from.
     """
 
+    reads_features = False  # see EagleDraft
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -146,6 +148,12 @@ class LlamaModel(nn.Module):
         """tokens, positions: [B, T]. rows: cache rows of the B sequences (default 0..B-1).
         slots: cache slots written (default: the positions). mask: [B, T, S] bool, which of the
         first S slots each token attends to (default: causal over slots). Returns [B, T, hidden]."""
+        return self.run_layers(self.embed_tokens(tokens), positions, cache, rows, slots, mask)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                   rows: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder layers and final norm over input vectors x [B, T, hidden]."""
         if slots is None:
             slots = positions
         if mask is None:
@@ -154,7 +162,6 @@ class LlamaModel(nn.Module):
             raise IndexError(f"the KV cache has {cache.num_slots} slots; {mask.shape[-1]} needed")
         freqs = positions[..., None].float() * self.inv_freq
         cos, sin = freqs.cos()[:, :, None], freqs.sin()[:, :, None]
-        x = self.embed_tokens(tokens)
         attn_mask = gqa_mask(mask, self.config.num_heads // self.config.num_kv_heads)
         for layer in self.layers:
             x = layer(x, cos, sin, cache, rows, slots, attn_mask, mask.shape[-1])

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from saguaro.models.config import ModelConfig, UnsupportedModelError
+from saguaro.models.eagle import model_class
 from saguaro.models.llama import LlamaModel, rope_inv_freq
 
 _GGUF_LAYER_NAMES = {
@@ -251,7 +252,7 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32,
         state["lm_head.weight"] = state[SHARED_EMBEDDING]
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = model_class(config)(config)
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -1,0 +1,137 @@
+"""EAGLE-style drafts read the target's hidden states: SD and SSD must hand the draft the right
+ones (h_{t-1} with token t) and stay exact. Tiny random-weight models, in seconds."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from saguaro.draft.client import InProcessDraft, WorkerConfig
+from saguaro.engine.decoders import ARDecoder, SDDecoder
+from saguaro.engine.kv_cache import KVCache
+from saguaro.engine.sampler import SamplingParams
+from saguaro.engine.sequence import Sequence
+from saguaro.engine.ssd import SSDDecoder
+from saguaro.models.config import ModelConfig
+from saguaro.models.eagle import EagleDraft
+from saguaro.models.loader import load_checkpoint, save_checkpoint
+from test_exactness import TINY_V, tiny_model
+from test_ssd import NO_CANDIDATES, SSD_K, decode_all, ssd_tv
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [2, 2, 2, 2, 2, 1]]
+K = 3
+
+
+def tiny_eagle(seed: int = 3) -> EagleDraft:
+    torch.manual_seed(seed)
+    config = ModelConfig(vocab_size=TINY_V, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=8, eagle=True)
+    draft = EagleDraft(config).eval().requires_grad_(False)
+    draft.lm_head.weight.mul_(3)
+    return draft
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=10, layers=2)
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("eagle-draft")
+    save_checkpoint(tiny_eagle(), folder, dtype=torch.float32, share_embeddings=False)
+    return folder
+
+
+@torch.no_grad()
+def first_choices(target, draft, tokens: list[int], features_from_target: bool = True) -> list[int]:
+    """The draft's greedy guess of token t+1 at every t, over the whole text at once, reading the
+    target's hidden state at t-1 (or zeros: the negative control)."""
+    n = len(tokens)
+    ids, positions = torch.tensor([tokens]), torch.arange(n)[None]
+    hidden = target(ids, positions, KVCache(target.config, 1, n, torch.float32))
+    features = torch.cat((torch.zeros_like(hidden[:, :1]), hidden[:, :-1]), dim=1)
+    if not features_from_target:
+        features = torch.zeros_like(features)
+    out = draft(ids, positions, KVCache(draft.config, 1, n, torch.float32), features=features)
+    return draft.head_logits(out).argmax(-1)[0].tolist()
+
+
+def greedy(decoder, prompts=PROMPTS) -> list[Sequence]:
+    seqs = [Sequence(i, p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), [])
+            for i, p in enumerate(prompts)]
+    decoder.reserve(len(seqs), 64)
+    decode_all(decoder, seqs)
+    return seqs
+
+
+def proposals_match(target, draft, seqs, proposed, features_from_target=True) -> bool:
+    """Each round's first draft token is the draft's guess after the committed text."""
+    for seq_id, length, token in proposed:
+        tokens = seqs[seq_id].token_ids
+        if first_choices(target, draft, tokens, features_from_target)[length - 1] != token:
+            return False
+    return True
+
+
+def test_sd_drafts_from_the_targets_hidden_states(target):
+    draft = tiny_eagle()
+    decoder = SDDecoder(target, draft, K)
+    proposed = []
+    propose = decoder.propose
+
+    def recording(seqs):
+        tokens, probs = propose(seqs)
+        proposed.extend((s.seq_id, len(s), t) for s, t in zip(seqs, tokens[:, 0].tolist()))
+        return tokens, probs
+
+    decoder.propose = recording
+    seqs = greedy(decoder)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in greedy(ARDecoder(target))]
+    assert len(proposed) > len(PROMPTS) * 3
+    assert proposals_match(target, draft, seqs, proposed)
+    assert not proposals_match(target, draft, seqs, proposed, features_from_target=False)  # the check can fail
+
+
+def test_ssd_worker_gets_the_targets_hidden_states(target, eagle_dir):
+    """Every round misses (nothing cached), so each speculation is the neural backup's,
+    drafted after the committed text from the features the target sent."""
+    client = InProcessDraft(WorkerConfig(str(eagle_dir), "float32", SSD_K, NO_CANDIDATES, 1.0), None)
+    assert client.ready.reads_features
+    decoder = SSDDecoder(target, client, backup="neural")
+    proposed = []
+    speculate = client.speculate
+
+    def recording(request):
+        reply = speculate(request)
+        proposed.extend((sid, len(seq_by_id[sid]), tokens[0]) for sid, tokens in zip(request.seq_ids, reply.tokens))
+        return reply
+
+    client.speculate = recording
+    seq_by_id = {}
+    prefill = decoder.prefill
+
+    def remember(seqs):
+        seq_by_id.update({s.seq_id: s for s in seqs})
+        prefill(seqs)
+
+    decoder.prefill = remember
+    seqs = greedy(decoder)
+    draft = load_checkpoint(eagle_dir)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in greedy(ARDecoder(target))]
+    assert proposals_match(target, draft, seqs, proposed)
+    assert not proposals_match(target, draft, seqs, proposed, features_from_target=False)
+
+
+@pytest.mark.parametrize("backup", ["neural", "fast"])
+def test_ssd_with_an_eagle_draft_equals_ar_when_greedy(target, eagle_dir, backup):
+    fan_out = [TINY_V - 1] * (K + 1)  # every outcome cached: every round after the first hits
+    decoder = SSDDecoder(target, InProcessDraft(WorkerConfig(str(eagle_dir), "float32", K, fan_out, 1.0), None), backup)
+    seqs = greedy(decoder)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in greedy(ARDecoder(target))]
+    assert decoder.stats.hit_lengths and not decoder.stats.miss_lengths[backup]
+
+
+@pytest.mark.parametrize("path", ["hit-c0.5", "miss-neural"])
+def test_ssd_with_an_eagle_draft_is_exact(target, eagle_dir, path):
+    observed, bound, _ = ssd_tv(target, eagle_dir, 0.7, path)
+    assert observed < bound
