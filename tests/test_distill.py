@@ -5,7 +5,7 @@ import torch
 
 from saguaro.distill import evaluate
 from saguaro.distill.draft import DraftSpec, init_draft, select_vocab
-from saguaro.distill.teacher import TeacherConfig, length_batches, teach_batch
+from saguaro.distill.teacher import TeacherConfig, length_batches, target_features, teach_batch
 from saguaro.distill.train import TrainConfig, split_heldout, train
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel
@@ -50,22 +50,30 @@ def test_teacher_records_greedy_continuations(target, sequences):
     assert torch.equal(logits.topk(16).indices.int()[:, 0], s.topk_ids[:, 0])
 
 
-def distill(target, sequences, lr: float) -> list[dict]:
+SPECS = {"standalone": DraftSpec(layers=(0, 3), head_vocab=48), "eagle": DraftSpec(layers=(3,), head_vocab=48, eagle=True)}
+
+
+def distill(target, sequences, lr: float, kind: str) -> list[dict]:
+    if SPECS[kind].eagle:
+        for s, f in zip(sequences, target_features(target, sequences)):
+            s.features = f
     train_seqs, heldout = split_heldout(sequences, every=4)
     vocab = select_vocab(train_seqs, 48, VOCAB)
-    draft = init_draft(target, DraftSpec(layers=(0, 3), head_vocab=48), vocab)
+    draft = init_draft(target, SPECS[kind], vocab)
     config = TrainConfig(steps=40, rows=4, row_len=64, lr=lr, warmup=5, eval_every=40, seed=0)
     return train(draft, train_seqs, heldout, config, log=lambda _: None)
 
 
-def test_training_lowers_heldout_kl(target, sequences):
-    history = distill(target, sequences, lr=3e-3)
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_training_lowers_heldout_kl(target, sequences, kind):
+    history = distill(target, sequences, lr=3e-3, kind=kind)
     assert history[-1]["kl"] < 0.6 * history[0]["kl"]
     assert history[-1]["top1"] > history[0]["top1"]
 
 
-def test_heldout_kl_moves_only_through_training(target, sequences):
-    history = distill(target, sequences, lr=0.0)
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_heldout_kl_moves_only_through_training(target, sequences, kind):
+    history = distill(target, sequences, lr=0.0, kind=kind)
     assert history[-1]["kl"] == pytest.approx(history[0]["kl"], rel=1e-6)
 
 

@@ -135,3 +135,15 @@ def test_ssd_with_an_eagle_draft_equals_ar_when_greedy(target, eagle_dir, backup
 def test_ssd_with_an_eagle_draft_is_exact(target, eagle_dir, path):
     observed, bound, _ = ssd_tv(target, eagle_dir, 0.7, path)
     assert observed < bound
+
+
+def test_features_cross_the_wire_to_a_worker_process(target, eagle_dir):
+    from saguaro.draft.client import DraftClient
+
+    config = WorkerConfig(str(eagle_dir), "float32", K, [TINY_V - 1] * (K + 1), timeout_s=30)
+    decoder = SSDDecoder(target, DraftClient(config, None), backup="neural")
+    try:
+        assert [s.output_ids for s in greedy(decoder)] == [s.output_ids for s in greedy(ARDecoder(target))]
+        assert decoder.stats.hit_lengths and not decoder.draft_lost
+    finally:
+        decoder.close()

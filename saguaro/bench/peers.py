@@ -60,6 +60,8 @@ def as_transformers(draft: LlamaModel):
     gate/up unfused), for use as `assistant_model`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if draft.reads_features:
+        raise ValueError("an EAGLE draft reads the target's hidden states: transformers cannot run it as an assistant")
     c = draft.config
     rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
     config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,

@@ -11,6 +11,7 @@ import os
 import platform
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -100,16 +101,21 @@ def build_engines(llm: LLM, config: BenchConfig) -> dict:
         return generate
 
     engines = {name: saguaro_engine(d) for name, d in decoders.items() if d is not None}
-    if {"hf", "hf-assisted"} & set(config.methods):
+    assisted = "hf-assisted" in config.methods
+    if assisted and draft.reads_features:
+        warnings.warn("hf-assisted skipped: transformers' assisted generation cannot run an EAGLE draft, "
+                      "which reads the target's hidden states (pass a standalone --draft to compare)")
+        assisted = False
+    if "hf" in config.methods or assisted:
         hf_target = peers.load_target(hub.resolve(config.model), llm.dtype)
-        assistant = peers.as_transformers(draft) if "hf-assisted" in config.methods else None
+        assistant = peers.as_transformers(draft) if assisted else None
         pad_id = llm.eos_token_ids[0]
         for name, helper in (("hf", None), ("hf-assisted", assistant)):
-            if name in config.methods:
+            if name in config.methods and (name == "hf" or assisted):
                 engines[name] = lambda prompts, params, helper=helper: [
                     {k: v for k, v in r.items() if k != "token_ids"}
                     for r in peers.generate(hf_target, prompts, params, pad_id, helper, config.num_speculative_tokens)]
-    return {name: engines[name] for name in config.methods}
+    return {name: engines[name] for name in config.methods if name in engines}
 
 
 def runnable(method: str, batch: int) -> bool:

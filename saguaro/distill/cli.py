@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--top-k", type=int, default=32, help="teacher logits kept per position")
     data.add_argument("--new-tokens", type=int, default=128, help="greedy tokens the target generates per prompt")
     model = parser.add_argument_group("draft")
+    model.add_argument("--eagle", action="store_true",
+                       help="an EAGLE-style draft: one layer (--layers names it) reading the target's hidden states")
     model.add_argument("--layers", default="0,29", help="target layers the draft's layers are copied from")
     model.add_argument("--head-vocab", type=int, default=8192, help="tokens the draft's head predicts")
     opt = parser.add_argument_group("training")
@@ -41,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--lr", type=float, default=TrainConfig.lr)
     opt.add_argument("--prompt-weight", type=float, default=TrainConfig.prompt_weight)
     opt.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
+    opt.add_argument("--unroll", type=int, default=TrainConfig.unroll,
+                     help="EAGLE: training passes, each reading the previous pass's own guesses")
+    opt.add_argument("--feature-weight", type=float, default=TrainConfig.feature_weight,
+                     help="EAGLE: weight of the hidden-state regression loss")
     ev = parser.add_argument_group("evaluation (held-out prompts, after training)")
     ev.add_argument("--eval-prompts", type=int, default=20, help="HumanEval and held-out ShareGPT prompts each; 0 skips")
     ev.add_argument("--eval-k", type=int, default=5)
@@ -66,14 +72,20 @@ def run(args: argparse.Namespace) -> dict:
     started = time.time()
     with tqdm(total=len(batches), desc="teacher", unit="batch") as bar:
         shards = list(teacher.generate_shards(target, batches, out / "teacher", tconfig, eos_ids, bar))
-    sequences = [s for file in shards for s in teacher.load_shard(file)]
+    if args.eagle:
+        with tqdm(total=len(shards), desc="target features", unit="shard") as bar:
+            sequences = teacher.with_features(target, shards, bar)
+    else:
+        sequences = [s for file in shards for s in teacher.load_shard(file)]
     train_seqs, heldout_seqs = split_heldout(sequences)
 
-    spec = draft_lib.DraftSpec(layers=tuple(int(i) for i in args.layers.split(",")), head_vocab=args.head_vocab)
+    spec = draft_lib.DraftSpec(layers=tuple(int(i) for i in args.layers.split(",")), head_vocab=args.head_vocab,
+                               eagle=args.eagle)
     vocab = draft_lib.select_vocab(train_seqs, spec.head_vocab, target.config.vocab_size, sorted(eos_ids))
     draft = draft_lib.init_draft(target, spec, vocab)
     config = TrainConfig(steps=args.steps, rows=args.rows, row_len=args.row_len, lr=args.lr,
-                         prompt_weight=args.prompt_weight, eval_every=args.eval_every, seed=args.seed)
+                         prompt_weight=args.prompt_weight, eval_every=args.eval_every, seed=args.seed,
+                         unroll=args.unroll, feature_weight=args.feature_weight)
     history = train(draft, train_seqs, heldout_seqs, config, out, log=tqdm.write)
     loader.save_checkpoint(draft, out / "draft")
 

@@ -65,12 +65,15 @@ def step_ms(model: LlamaModel, rows: int, tokens: int, context: int = 256, repea
     """Median milliseconds of one forward pass of `tokens` new tokens in each of `rows` rows after
     `context` cached ones, logits included (what a draft step or a verification costs)."""
     cache = KVCache(model.config, rows, context + tokens, model.dtype, model.device)
-    model(torch.zeros(rows, context, dtype=torch.long), torch.arange(context).expand(rows, context), cache)
+    features = lambda n: ({"features": torch.zeros(rows, n, model.config.hidden_size)}  # noqa: E731
+                          if model.reads_features else {})
+    model(torch.zeros(rows, context, dtype=torch.long), torch.arange(context).expand(rows, context), cache,
+          **features(context))
     step = torch.zeros(rows, tokens, dtype=torch.long)
     positions = torch.arange(context, context + tokens).expand(rows, tokens)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        model.logits(model(step, positions, cache))
+        model.logits(model(step, positions, cache, **features(tokens)))
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
