@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("draft")
     model.add_argument("--eagle", action="store_true",
                        help="an EAGLE-style draft: one layer (--layers names it) reading the target's hidden states")
+    model.add_argument("--init-from", type=Path, default=None,
+                       help="with --eagle: a trained standalone draft to start from (its layers, head and vocabulary)")
     model.add_argument("--layers", default="0,29", help="target layers the draft's layers are copied from")
     model.add_argument("--head-vocab", type=int, default=8192, help="tokens the draft's head predicts")
     opt = parser.add_argument_group("training")
@@ -81,8 +83,15 @@ def run(args: argparse.Namespace) -> dict:
 
     spec = draft_lib.DraftSpec(layers=tuple(int(i) for i in args.layers.split(",")), head_vocab=args.head_vocab,
                                eagle=args.eagle)
-    vocab = draft_lib.select_vocab(train_seqs, spec.head_vocab, target.config.vocab_size, sorted(eos_ids))
-    draft = draft_lib.init_draft(target, spec, vocab)
+    if args.init_from:
+        if not args.eagle:
+            raise SystemExit("--init-from starts an EAGLE draft from a standalone one: add --eagle")
+        draft = draft_lib.eagle_from(loader.load_draft(args.init_from, target, torch.float32))
+        spec = draft_lib.DraftSpec(layers=tuple(range(draft.config.num_layers)), head_vocab=draft.config.head_vocab_size,
+                                   eagle=True)
+    else:
+        vocab = draft_lib.select_vocab(train_seqs, spec.head_vocab, target.config.vocab_size, sorted(eos_ids))
+        draft = draft_lib.init_draft(target, spec, vocab)
     config = TrainConfig(steps=args.steps, rows=args.rows, row_len=args.row_len, lr=args.lr,
                          prompt_weight=args.prompt_weight, eval_every=args.eval_every, seed=args.seed,
                          unroll=args.unroll, feature_weight=args.feature_weight)
@@ -90,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     loader.save_checkpoint(draft, out / "draft")
 
     report = {"teacher": asdict(tconfig),
-              "draft": asdict(spec), "train": asdict(config), "minutes": (time.time() - started) / 60,
+              "draft": {**asdict(spec), "init_from": str(args.init_from) if args.init_from else None}, "train": asdict(config), "minutes": (time.time() - started) / 60,
               "sequences": {"train": len(train_seqs), "heldout": len(heldout_seqs)},
               "tokens": {"train_generated": sum(len(s.tokens) - s.num_prompt for s in train_seqs),
                          "train_prompt": sum(s.num_prompt for s in train_seqs)},

@@ -42,7 +42,8 @@ def select_vocab(sequences: Seq[Sequence], size: int, vocab_size: int, always: S
 
 
 def init_draft(target: LlamaModel, spec: DraftSpec, vocab_ids: torch.Tensor) -> LlamaModel:
-    """An fp32 draft whose layers, final norm and head rows are copies of the target's."""
+    """An fp32 draft whose layers, final norm and head rows are copies of the target's. An EAGLE
+    draft's head stays frozen: it learns the target's hidden state, which those rows read."""
     if spec.eagle and len(spec.layers) != 1:
         raise ValueError("an EAGLE draft has one layer: give one target layer to start from")
     config = dataclasses.replace(target.config, num_layers=len(spec.layers), tie_word_embeddings=False,
@@ -53,7 +54,9 @@ def init_draft(target: LlamaModel, spec: DraftSpec, vocab_ids: torch.Tensor) -> 
     if spec.eagle:
         # Starts as "the target's hidden state carried over": the embedding half is small noise.
         hidden = config.hidden_size
-        state["fc.weight"] = torch.cat((torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(0)) * 0.02 / hidden ** 0.5, torch.eye(hidden)), dim=1)
+        noise = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(0)) * 0.02 / hidden ** 0.5
+        state["fc.weight"] = torch.cat((noise, torch.eye(hidden)), dim=1)
+        state["feature_norm.weight"] = embedding_scale(target).expand(hidden)
     target_state = target.state_dict()
     for i, j in enumerate(spec.layers):
         for name, value in target_state.items():
@@ -65,3 +68,24 @@ def init_draft(target: LlamaModel, spec: DraftSpec, vocab_ids: torch.Tensor) -> 
     if spec.eagle:
         draft.lm_head.weight.requires_grad_(False)
     return draft
+
+
+def eagle_from(standalone: LlamaModel) -> LlamaModel:
+    """An EAGLE draft that starts as a trained standalone draft: same layers, norm and head, and
+    a projection that passes the token embedding through and ignores the target's features, so
+    training starts from the standalone draft's agreement and can only add what they tell."""
+    config = dataclasses.replace(standalone.config, eagle=True)
+    draft = model_class(config)(config)
+    hidden = config.hidden_size
+    state = {k: v.float() if v.is_floating_point() else v for k, v in standalone.state_dict().items()}
+    state["fc.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
+    state["feature_norm.weight"] = embedding_scale(standalone).expand(hidden)
+    draft.load_state_dict(state)
+    draft.inv_freq = rope_inv_freq(config)
+    draft.embed_tokens.weight.requires_grad_(False)
+    return draft
+
+
+def embedding_scale(model: LlamaModel) -> torch.Tensor:
+    """The root-mean-square size of the model's token embeddings (a scalar)."""
+    return model.embed_tokens.weight.float().pow(2).mean().sqrt()

@@ -37,6 +37,10 @@ class DraftSequence:
     cache: dict[Outcome, int] = field(default_factory=dict)  # predicted outcome -> branch
     branch_tokens: list[list[int]] = field(default_factory=list)  # [branches][K]
     branch_probs: torch.Tensor | None = None  # [branches, K, head rows]; None when greedy
+    # EAGLE drafts: the draft's own feature each token of the speculation was drawn from
+    # ([K, hidden]; None after the fast backup), and the same for every branch.
+    spec_features: torch.Tensor | None = None
+    branch_features: torch.Tensor | None = None  # [branches, K, hidden]
 
 
 def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, top: int, c: float) -> torch.Tensor:
@@ -150,30 +154,34 @@ class Speculator:
                 if branch is not None:
                     seq.spec = seq.branch_tokens[branch]
                     probs[i] = None if seq.branch_probs is None else seq.branch_probs[branch].clone()
+                    if seq.branch_features is not None:
+                        seq.spec_features = seq.branch_features[branch]
                     hit = True
             seq.cache = {}
             hits.append(hit)
         missed = [i for i, hit in enumerate(hits) if not hit]
         if missed and backup == "neural":
-            tokens, q = self._draft_now([seqs[i] for i in missed])
+            tokens, q, hidden = self._draft_now([seqs[i] for i in missed])
             for j, i in enumerate(missed):
                 seqs[i].spec = tokens[j].tolist()
+                seqs[i].spec_features = hidden[j]
                 probs[i] = None if q is None or seqs[i].params.greedy else q[j].clone()
         else:
             for i in missed:
                 seqs[i].spec, probs[i] = ngram_guess(seqs[i].token_ids, self.k), None
+                seqs[i].spec_features = None
         return [s.spec for s in seqs], hits, probs
 
-    def _draft_now(self, seqs: list[DraftSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draft_now(self, seqs: list[DraftSequence]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         chunks = [s.token_ids[s.cached_len:] for s in seqs]
         starts = [s.cached_len for s in seqs]
-        tokens, probs = autoregressive_draft(
+        tokens, probs, hidden = autoregressive_draft(
             self.draft, self.cache, [s.row for s in seqs], chunks, starts, self._warp_params(seqs),
             self._uniforms(seqs, self.k), reshape=self._sigma,
             features=self._features(seqs, starts, [len(s.token_ids) for s in seqs]))
         for seq in seqs:
             seq.cached_len = len(seq.token_ids) + (0 if self.draft.reads_features else self.k - 1)
-        return tokens, probs
+        return tokens, probs, hidden
 
     def _sigma(self, position: int, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Saguaro sampling for draft position `position` (0-based): a rejection there is the
@@ -203,31 +211,35 @@ class Speculator:
         return time.perf_counter() - start
 
     def _glue(self, seqs: list[DraftSequence]) -> torch.Tensor:
-        """A pass over [last committed, d_1..d_K] (plus anything not yet cached): KV entries
+        """One pass over [last committed, d_1..d_K] (plus anything not yet cached): KV entries
         for the shared prefix, and the draft's hidden states at those K+1 positions [B, K+1,
-        hidden]. An EAGLE draft reads the target's features up to the last committed token and
-        its own guesses after it, so it goes over the speculation one token at a time."""
+        hidden]. An EAGLE draft reads the target's features up to the last committed token and,
+        with d_1..d_K, the features they were drafted from; after the fast backup there are
+        none, and it goes over the speculation one token at a time, reading its own outputs."""
         k = self.k
         starts = [min(s.cached_len, len(s.token_ids) - 1) for s in seqs]
+        ends = [len(s.token_ids) for s in seqs]
         rows = [s.row for s in seqs]
-        if self.draft.reads_features:
+        features = self._features(seqs, starts, ends)
+        if features is not None and any(s.spec_features is None for s in seqs):
             chunks = [s.token_ids[st:] for s, st in zip(seqs, starts)]
-            ends = [len(s.token_ids) for s in seqs]
-            hidden = [last_hidden(forward_chunks(self.draft, self.cache, rows, chunks, starts,
-                                                 self._features(seqs, starts, ends)), chunks)]
+            hidden = [last_hidden(forward_chunks(self.draft, self.cache, rows, chunks, starts, features), chunks)]
             for i in range(k):
                 step = [[s.spec[i]] for s in seqs]
                 hidden.append(forward_chunks(self.draft, self.cache, rows, step, [e + i for e in ends],
                                              list(hidden[-1][:, None]))[:, 0])
-            for seq in seqs:
-                seq.cached_len = len(seq.token_ids)
-            return torch.stack(hidden, 1)
-        chunks = [s.token_ids[st:] + s.spec for s, st in zip(seqs, starts)]
-        hidden = forward_chunks(self.draft, self.cache, rows, chunks, starts)
-        last = torch.tensor([len(c) - k - 1 for c in chunks])[:, None] + torch.arange(k + 1)
+            hidden = torch.stack(hidden, 1)
+        else:
+            chunks = [s.token_ids[st:] + s.spec for s, st in zip(seqs, starts)]
+            if features is not None:
+                features = [torch.cat((f, s.spec_features)) for f, s in zip(features, seqs)]
+            hidden = forward_chunks(self.draft, self.cache, rows, chunks, starts, features)
+            last = torch.tensor([len(c) - k - 1 for c in chunks])[:, None] + torch.arange(k + 1)
+            hidden = hidden[torch.arange(len(seqs))[:, None], last.to(hidden.device)]
         for seq in seqs:
-            seq.cached_len = len(seq.token_ids) + k
-        return hidden[torch.arange(len(seqs))[:, None], last.to(hidden.device)]
+            # An EAGLE draft's entries for d_1..d_K came from its own features: not kept.
+            seq.cached_len = len(seq.token_ids) + (0 if self.draft.reads_features else k)
+        return hidden
 
     def _candidates(self, seqs: list[DraftSequence], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Branches: accepted length j repeated fan_out[j] times, and for each request the top
@@ -259,6 +271,7 @@ class Speculator:
         branch = torch.arange(NB, device=device)
         tokens, drafted, probs = first, [], []
         extra = {"features": position_hidden[:, branch_len]} if self.draft.reads_features else {}
+        branch_features = []
         for depth in range(k):
             span = int(base.max()) + (depth + 1) * NB
             slot_ids = torch.arange(span, device=device)
@@ -270,6 +283,7 @@ class Speculator:
             hidden = self.draft(tokens, positions, self.cache, rows=rows, slots=slots, mask=mask, **extra)
             if extra:
                 extra["features"] = hidden
+                branch_features.append(hidden)
             logits = self.draft.head_logits(hidden).flatten(0, 1)
             if params.all_greedy:
                 tokens = self.draft.head_token(logits.argmax(-1)).view(B, NB)
@@ -280,7 +294,9 @@ class Speculator:
             drafted.append(tokens)
         drafted_t = torch.stack(drafted, -1).tolist()  # [B, NB, K]
         probs_t = torch.stack(probs, 2) if probs else None  # [B, NB, K, head rows]
+        features_t = torch.stack(branch_features, 2) if branch_features else None  # [B, NB, K, hidden]
         for b, (seq, bonus) in enumerate(zip(seqs, first.tolist())):
             seq.cache = dict(zip(zip(branch_len, bonus), range(NB)))
             seq.branch_tokens = drafted_t[b]
             seq.branch_probs = None if probs_t is None or seq.params.greedy else probs_t[b]
+            seq.branch_features = None if features_t is None else features_t[b]

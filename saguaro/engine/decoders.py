@@ -74,7 +74,8 @@ class FeatureLog:
 def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]],
                          starts: list[int], params: WarpParams, u: torch.Tensor,
                          reshape: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                         features: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         features: list[torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Feeds each row's pending chunk, then drafts u.shape[1] tokens one at a time. An EAGLE
     draft reads `features` with the chunks, then its own output at each drafted token.
 
@@ -84,12 +85,14 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
     are the ones really sampled from.
     Returns tokens [B, K] (vocabulary ids) and distributions over the head rows [B, K, H]
     (`model.to_vocab` widens them), or None when every row is greedy (the drafts are then
-    argmaxes: point masses, which verification rebuilds from the tokens)."""
+    argmaxes: point masses, which verification rebuilds from the tokens); and the hidden
+    states each token was drawn from [B, K, hidden] (an EAGLE draft's own features)."""
     k = u.shape[1]
     hidden = last_hidden(forward_chunks(model, cache, rows, chunks, starts, features), chunks)
     ends = [s + len(c) for s, c in zip(starts, chunks)]
-    tokens, probs = [], []
+    tokens, probs, hiddens = [], [], []
     for i in range(k):
+        hiddens.append(hidden)
         logits = model.head_logits(hidden)
         if params.all_greedy:
             token = model.head_token(logits.argmax(-1))
@@ -103,7 +106,7 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
         if i < k - 1:
             step = [[t] for t in token.tolist()]
             hidden = forward_chunks(model, cache, rows, step, [e + i for e in ends], list(hidden[:, None]))[:, 0]
-    return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None
+    return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, torch.stack(hiddens, 1)
 
 
 def sample_next(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -243,8 +246,8 @@ class SDDecoder(ARDecoder):
         starts = [self.draft_len[s.seq_id] for s in seqs]
         params = WarpParams.of([s.params for s in seqs], self.draft.device)
         u = uniforms([s.generator for s in seqs], self.k).to(self.draft.device)
-        tokens, probs = autoregressive_draft(self.draft, self.draft_cache, self._rows(seqs), chunks, starts,
-                                             params, u, features=self._draft_features(seqs, starts, [len(s) for s in seqs]))
+        tokens, probs, _ = autoregressive_draft(self.draft, self.draft_cache, self._rows(seqs), chunks, starts,
+                                                params, u, features=self._draft_features(seqs, starts, [len(s) for s in seqs]))
         for seq in seqs:
             # An EAGLE draft ran the drafted tokens on its own guessed features: redone with
             # the target's once they are verified.

@@ -15,7 +15,7 @@ from torch import nn
 
 from saguaro.engine.kv_cache import KVCache
 from saguaro.models.config import ModelConfig
-from saguaro.models.llama import LlamaModel
+from saguaro.models.llama import LlamaModel, RMSNorm
 
 
 class EagleDraft(LlamaModel):
@@ -25,6 +25,10 @@ class EagleDraft(LlamaModel):
         if not config.eagle:
             raise ValueError("EagleDraft needs a config with eagle=True")
         super().__init__(config)
+        # The target's final hidden states are normed to a larger scale than token embeddings
+        # (with outlier channels); this norm brings them to the embeddings' scale (its weight is
+        # initialized to it), so neither half of the input drowns the other.
+        self.feature_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -35,7 +39,7 @@ class EagleDraft(LlamaModel):
         of the target's hidden state at each position, which is also the next input feature."""
         if features is None:
             raise ValueError("an EAGLE draft needs the target's hidden states as features")
-        x = self.fc(torch.cat((self.embed_tokens(tokens), features.to(self.dtype)), dim=-1))
+        x = self.fc(torch.cat((self.embed_tokens(tokens), self.feature_norm(features.to(self.dtype))), dim=-1))
         return self.run_layers(x, positions, cache, rows, slots, mask)
 
 
