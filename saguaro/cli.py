@@ -19,6 +19,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="auto (bf16), bf16, fp16 or fp32 (default: %(default)s)")
     group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     group.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    group.add_argument("--prompt-lookup", type=int, metavar="N",
+                       help="SD and SSD: where the last N tokens occurred earlier in the text, speculate what "
+                            "followed them instead of drafting (default: off)")
     ssd = parser.add_argument_group("SSD (--method ssd)")
     ssd.add_argument("--fan-out", default="geometric",
                      help="geometric, uniform, or K+1 comma-separated counts of cached bonus tokens per "
@@ -80,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fan-out", default="geometric")
     bench.add_argument("--fan-out-budget", type=int, default=16)
     bench.add_argument("--fan-out-sweep", default="", help="also: SSD hit rate for these uniform fan-outs, e.g. 1,2,4,8")
+    bench.add_argument("--prompt-lookup", type=int, metavar="N", help="SD and SSD speculate earlier text after an "
+                       "N-token match (default: off)")
     bench.add_argument("--saguaro-c", type=float, default=1.0)
     bench.add_argument("--backup", choices=["auto", "neural", "fast"], default="auto")
     bench.add_argument("--dtype", default="bfloat16")
@@ -101,7 +106,7 @@ def make_llm(args: argparse.Namespace):
     return LLM(args.model, draft=args.draft, method=method, num_speculative_tokens=args.num_speculative_tokens,
                device=args.device, dtype=args.dtype, num_threads=args.threads, fan_out=fan_out,
                fan_out_budget=args.fan_out_budget, saguaro_c=args.saguaro_c, backup=args.backup,
-               draft_device=args.draft_device, draft_address=args.draft_address)
+               draft_device=args.draft_device, draft_address=args.draft_address, prompt_lookup=args.prompt_lookup)
 
 
 def sampling_params(args: argparse.Namespace):
@@ -146,7 +151,7 @@ def run_bench(args: argparse.Namespace) -> int:
         batch_sizes=numbers(args.batch_sizes, int), num_speculative_tokens=args.num_speculative_tokens,
         fan_out=fan_out, fan_out_budget=args.fan_out_budget, fan_out_sweep=numbers(args.fan_out_sweep, int),
         saguaro_c=args.saguaro_c, backup=args.backup, dtype=args.dtype, chat_template=not args.no_chat_template,
-        ignore_eos=not args.no_ignore_eos)
+        ignore_eos=not args.no_ignore_eos, prompt_lookup=args.prompt_lookup)
     if args.quick:
         config = bench.quick(config)
     result = bench.run(config, args.out)

@@ -44,6 +44,8 @@ class LLM:
     "fast"), draft_device, draft_address ("HOST:PORT" to await a worker started elsewhere),
     acceptance_rate and power_law_r (the geometric fan-out's a and r; a is then re-fitted to the
     measured acceptance every 16 rounds).
+    prompt_lookup (SD and SSD): N to speculate, wherever the last N tokens occurred earlier in
+    the text, the tokens that followed them instead of the draft's (saguaro.engine.lookup).
     """
 
     def __init__(self, model: str = hub.DEFAULT_MODEL, draft: str | None = None, method: str = "ar",
@@ -51,7 +53,7 @@ class LLM:
                  num_threads: int | None = None, fan_out: str | list[int] = "geometric",
                  fan_out_budget: int = 16, saguaro_c: float = 1.0, backup: str = "auto",
                  draft_device: str = "cpu", draft_address: str | None = None,
-                 acceptance_rate: float = 0.75, power_law_r: float = 0.6):
+                 acceptance_rate: float = 0.75, power_law_r: float = 0.6, prompt_lookup: int | None = None):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
         if num_threads:
@@ -72,7 +74,7 @@ class LLM:
             raise ValueError(f"method {method!r} needs a draft model (no shipped draft for {model!r})")
         if method == "sd":
             self.draft = load_draft(draft_path, self.target)
-            self.decoder = SDDecoder(self.target, self.draft, num_speculative_tokens)
+            self.decoder = SDDecoder(self.target, self.draft, num_speculative_tokens, prompt_lookup)
             return
         k = num_speculative_tokens
         plan = None
@@ -84,7 +86,7 @@ class LLM:
         self._cores_before = os.sched_getaffinity(0), torch.get_num_threads()
         config = WorkerConfig(str(draft_path), str(self.dtype).removeprefix("torch."), k, list(fan_out),
                               saguaro_c, draft_device, None if draft_address else split_cores(draft_device),
-                              draft_address)
+                              draft_address, prompt_lookup=prompt_lookup)
         client = DraftClient(config, self.target.embed_tokens.weight.detach().cpu(), device)
         if client.ready.vocab_size != self.target.config.vocab_size:
             client.close()

@@ -48,6 +48,7 @@ class BenchConfig:
     backup: str = "auto"
     dtype: str = "bfloat16"
     chat_template: bool = True
+    prompt_lookup: int | None = None  # SD and SSD: speculate earlier text after an N-token match
     ignore_eos: bool = True  # every request decodes max_tokens: equal work for every method
     seed: int = 0
 
@@ -90,7 +91,8 @@ def build_engines(llm: LLM, config: BenchConfig) -> dict:
     needs_draft = {"sd", "hf-assisted"} & set(config.methods)
     draft = load_draft(draft_path, llm.target) if needs_draft else None
     decoders = {"ar": ARDecoder(llm.target) if "ar" in config.methods else None,
-                "sd": SDDecoder(llm.target, draft, config.num_speculative_tokens) if "sd" in config.methods else None,
+                "sd": SDDecoder(llm.target, draft, config.num_speculative_tokens, config.prompt_lookup)
+                if "sd" in config.methods else None,
                 "ssd": llm.decoder if "ssd" in config.methods else None}
 
     def saguaro_engine(decoder):
@@ -131,7 +133,8 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
     method = "ssd" if "ssd" in saguaro_methods else "sd" if "sd" in saguaro_methods else "ar"
     llm = LLM(config.model, draft=config.draft, method=method, num_speculative_tokens=config.num_speculative_tokens,
               dtype=config.dtype, fan_out=config.fan_out, fan_out_budget=config.fan_out_budget,
-              saguaro_c=config.saguaro_c, backup=config.backup)
+              saguaro_c=config.saguaro_c, backup=config.backup,
+              prompt_lookup=config.prompt_lookup)
     if method != "ssd":
         torch.set_num_threads(1)
     ssd_decoder = llm.decoder if method == "ssd" else None
@@ -186,7 +189,8 @@ def fan_out_sweep(config: BenchConfig, prompts: list[list[int]], bar: tqdm | Non
     fan_outs = config.fan_out_sweep
     llm = LLM(config.model, draft=config.draft, method="ssd", num_speculative_tokens=config.num_speculative_tokens,
               dtype=config.dtype, fan_out=[max(fan_outs)] * (config.num_speculative_tokens + 1),
-              saguaro_c=config.saguaro_c, backup=config.backup)
+              saguaro_c=config.saguaro_c, backup=config.backup,
+              prompt_lookup=config.prompt_lookup)
     points = []
     try:
         for f in fan_outs:

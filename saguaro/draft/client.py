@@ -22,6 +22,7 @@ class WorkerConfig:
     num_speculative_tokens: int
     fan_out: list[int]
     saguaro_c: float = 1.0
+    prompt_lookup: int | None = None
     device: str = "cpu"  # the draft's device: "cpu", "cuda:1", ...
     cpus: str | None = None  # cores to pin a local CPU worker to
     address: str | None = None  # "HOST:PORT" to await a worker started elsewhere
@@ -57,7 +58,7 @@ class DraftClient:
             atexit.register(self._finalizer)
         self.channel.connect()
         self.channel.send(Hello(config.draft, config.dtype, config.num_speculative_tokens, config.fan_out,
-                                config.saguaro_c, embeddings))
+                                config.saguaro_c, embeddings, config.prompt_lookup))
         self.ready: Ready = self.channel.recv(timeout_s=config.startup_timeout_s)
         self.alive = True
 
@@ -110,7 +111,8 @@ class InProcessDraft:
 
         self.config = config
         self.server = DraftServer(Hello(config.draft, config.dtype, config.num_speculative_tokens,
-                                        config.fan_out, config.saguaro_c, embeddings), config.device)
+                                        config.fan_out, config.saguaro_c, embeddings, config.prompt_lookup),
+                                  config.device)
         self.ready = self.server.ready
         self.alive = True
 

@@ -33,6 +33,7 @@ class Hello:
     fan_out: list[int]
     saguaro_c: float
     embeddings: torch.Tensor | None  # the target's table, for drafts that borrow it
+    prompt_lookup: int | None = None  # n-gram length whose earlier match is speculated instead
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Speculation:
     probs: list[torch.Tensor | None]
     fill_time_s: float  # time the worker spent filling the cache in the previous round
     backup_time_s: float  # time spent on misses in this reply
+    lookups: list[bool] | None = None  # which speculations were copied from the text (prompt lookup)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 
 from saguaro.engine.decoders import FeatureLog, autoregressive_draft, ensure_cache
 from saguaro.engine.kv_cache import KVCache
+from saguaro.engine.lookup import lookup, ngram_guess
 from saguaro.engine.runner import forward_chunks, last_hidden
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
 from saguaro.models.llama import LlamaModel
@@ -56,20 +57,11 @@ def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, top: int, c: float)
     return torch.where(total > 0, scaled / total.clamp_min(1e-30), probs)
 
 
-def ngram_guess(tokens: list[int], k: int) -> list[int]:
-    """Fast backup: the K tokens that followed the latest earlier occurrence of the last token
-    (prompt lookup), or the last token repeated. Proposed as point masses, so exact."""
-    last = tokens[-1]
-    for i in range(len(tokens) - 2, -1, -1):
-        if tokens[i] == last:
-            guess = tokens[i + 1:i + 1 + k]
-            return guess + [guess[-1]] * (k - len(guess))
-    return [last] * k
-
-
 class Speculator:
-    def __init__(self, draft: LlamaModel, k: int, fan_out: list[int], saguaro_c: float = 1.0):
+    def __init__(self, draft: LlamaModel, k: int, fan_out: list[int], saguaro_c: float = 1.0,
+                 prompt_lookup: int | None = None):
         self.draft, self.k, self.saguaro_c = draft, k, saguaro_c
+        self.prompt_lookup = prompt_lookup  # n-gram length whose match replaces the draft's speculation
         self.cache: KVCache | None = None
         self.seqs: dict[int, DraftSequence] = {}
         self.max_len = 0
@@ -135,9 +127,12 @@ class Speculator:
 
     def speculate(self, seq_ids: list[int], outcomes: list[Outcome | None], backup: str,
                   features: list[torch.Tensor | None] | None = None
-                  ) -> tuple[list[list[int]], list[bool], list[torch.Tensor | None]]:
+                  ) -> tuple[list[list[int]], list[bool], list[torch.Tensor | None], list[bool]]:
         """Applies each request's last outcome and returns its next speculation: from the cache
-        on a hit, else from the backup ("neural": the draft just in time; "fast": n-gram).
+        on a hit, else from the backup ("neural": the draft just in time; "fast": n-gram); with
+        prompt_lookup, from the text itself wherever its last prompt_lookup tokens occurred
+        before (a hit is still reported as one). Returns tokens, hits, distributions and
+        which speculations came from a lookup.
         Distributions are copied out of the batched tensors they are views of: a pickled view
         carries its whole storage (all branches of all requests) over the wire."""
         seqs = [self.seqs[sid] for sid in seq_ids]
@@ -159,7 +154,14 @@ class Speculator:
                     hit = True
             seq.cache = {}
             hits.append(hit)
-        missed = [i for i, hit in enumerate(hits) if not hit]
+        looked = {}
+        if self.prompt_lookup:
+            for i, seq in enumerate(seqs):
+                if (guess := lookup(seq.token_ids, self.k, self.prompt_lookup)) is not None:
+                    looked[i] = guess
+        for i, guess in looked.items():
+            seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
+        missed = [i for i, hit in enumerate(hits) if not hit and i not in looked]
         if missed and backup == "neural":
             tokens, q, hidden = self._draft_now([seqs[i] for i in missed])
             for j, i in enumerate(missed):
@@ -170,7 +172,7 @@ class Speculator:
             for i in missed:
                 seqs[i].spec, probs[i] = ngram_guess(seqs[i].token_ids, self.k), None
                 seqs[i].spec_features = None
-        return [s.spec for s in seqs], hits, probs
+        return [s.spec for s in seqs], hits, probs, [i in looked for i in range(len(seqs))]
 
     def _draft_now(self, seqs: list[DraftSequence]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         chunks = [s.token_ids[s.cached_len:] for s in seqs]

@@ -30,7 +30,8 @@ class DraftServer:
 
     def __init__(self, hello: Hello, device: str):
         draft = load_draft_model(hello, device)
-        self.speculator = Speculator(draft, hello.num_speculative_tokens, hello.fan_out, hello.saguaro_c)
+        self.speculator = Speculator(draft, hello.num_speculative_tokens, hello.fan_out, hello.saguaro_c,
+                                     hello.prompt_lookup)
         head = draft.head_token_ids.tolist() if draft.config.head_vocab_size is not None else None
         self.ready = Ready(vocab_size=draft.config.vocab_size, num_layers=draft.config.num_layers, pid=os.getpid(),
                            head_token_ids=head, reads_features=draft.reads_features)
@@ -47,10 +48,10 @@ class DraftServer:
             if message.fan_out is not None:
                 self.speculator.set_fan_out(message.fan_out)
             start = time.perf_counter()
-            tokens, hits, probs = self.speculator.speculate(message.seq_ids, message.outcomes, message.backup,
-                                                            message.features)
+            tokens, hits, probs, lookups = self.speculator.speculate(message.seq_ids, message.outcomes,
+                                                                     message.backup, message.features)
             self.pending = message.seq_ids
-            return Speculation(tokens, hits, probs, self.fill_time, time.perf_counter() - start)
+            return Speculation(tokens, hits, probs, self.fill_time, time.perf_counter() - start, lookups)
         elif isinstance(message, Release):
             self.speculator.release(message.seq_ids)
         return None

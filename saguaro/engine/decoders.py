@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from saguaro.engine.kv_cache import KVCache
+from saguaro.engine.lookup import lookup
 from saguaro.engine.runner import forward_chunks, last_hidden
 from saguaro.engine.sampler import WarpParams, sample, uniforms, warp
 from saguaro.engine.sequence import Sequence
@@ -207,12 +208,14 @@ class SDDecoder(ARDecoder):
     """Synchronous speculative decoding: the draft proposes K tokens, the target verifies them
     in one pass, exact rejection sampling commits accepted + 1 tokens."""
 
-    def __init__(self, target: LlamaModel, draft: LlamaModel, num_speculative_tokens: int):
+    def __init__(self, target: LlamaModel, draft: LlamaModel, num_speculative_tokens: int,
+                 prompt_lookup: int | None = None):
         super().__init__(target)
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.draft = draft
         self.k = num_speculative_tokens
+        self.prompt_lookup = prompt_lookup  # n-gram length whose earlier match replaces the draft
         self.draft_cache: KVCache | None = None
         self.draft_len: dict[int, int] = {}  # seq_id -> tokens whose KV the draft cache holds
         if draft.reads_features:
@@ -241,7 +244,27 @@ class SDDecoder(ARDecoder):
 
     def propose(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K draft tokens per sequence [B, K] and the distributions they came from [B, K, V]
-        (None: point masses)."""
+        (None: point masses). With prompt_lookup, sequences whose text offers a match take it
+        (point masses) and skip the draft, whose cache catches up on their next drafted round."""
+        looked = {}
+        if self.prompt_lookup:
+            for i, seq in enumerate(seqs):
+                if (guess := lookup(seq.token_ids, self.k, self.prompt_lookup)) is not None:
+                    looked[i] = guess
+        if not looked:
+            return self._draft(seqs)
+        tokens = torch.tensor([looked.get(i, [0] * self.k) for i in range(len(seqs))], device=self.draft.device)
+        drafted = [i for i in range(len(seqs)) if i not in looked]
+        probs = None
+        if drafted:
+            draft_tokens, draft_probs = self._draft([seqs[i] for i in drafted])
+            tokens[drafted] = draft_tokens
+            if draft_probs is not None:
+                probs = point_masses(tokens, self.target.config.vocab_size).to(draft_probs.device)
+                probs[drafted] = draft_probs
+        return tokens, probs
+
+    def _draft(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
         chunks = [s.token_ids[self.draft_len[s.seq_id]:] for s in seqs]
         starts = [self.draft_len[s.seq_id] for s in seqs]
         params = WarpParams.of([s.params for s in seqs], self.draft.device)

@@ -29,6 +29,8 @@ class SSDStats:
     """Per-round measurements over the decoder's life (all sequences)."""
     hit_lengths: list[int] = field(default_factory=list)  # acceptance length after a hit
     miss_lengths: dict[str, list[int]] = field(default_factory=lambda: {"neural": [], "fast": []})
+    lookup_lengths: list[int] = field(default_factory=list)  # after a prompt-lookup speculation
+    lookup_hits: int = 0  # rounds whose outcome the cache held, but a lookup was sent instead
     verify_s: list[float] = field(default_factory=list)
     fill_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)  # target idle, waiting for the draft
@@ -36,12 +38,15 @@ class SSDStats:
     t_p: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
-        hits, misses = len(self.hit_lengths), sum(len(v) for v in self.miss_lengths.values())
+        hits = len(self.hit_lengths) + self.lookup_hits
+        rounds = len(self.hit_lengths) + sum(len(v) for v in self.miss_lengths.values()) + len(self.lookup_lengths)
         mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
         median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
         return {
-            "cache_hit_rate": hits / (hits + misses) if hits + misses else None,
+            "cache_hit_rate": hits / rounds if rounds else None,
+            "lookup_rate": len(self.lookup_lengths) / rounds if rounds else None,
             "acceptance_length_hit": mean(self.hit_lengths),
+            "acceptance_length_lookup": mean(self.lookup_lengths),
             "acceptance_length_miss_neural": mean(self.miss_lengths["neural"]),
             "acceptance_length_miss_fast": mean(self.miss_lengths["fast"]),
             "t_p_median": median(self.t_p),
@@ -179,11 +184,16 @@ class SSDDecoder(ARDecoder):
         stats.wait_s.append(wait_s)
         if not all(spec.hits):
             stats.backup_s.append(spec.backup_time_s)
-        for seq, before, hit, (accepted_len, _) in zip(seqs, previous, spec.hits, outcomes):
+        lookups = spec.lookups or [False] * len(seqs)
+        for seq, before, hit, looked, (accepted_len, _) in zip(seqs, previous, spec.hits, lookups, outcomes):
             if before is None:
                 continue  # a request's first round cannot hit
             seq.stats.cache_hits.append(hit)
-            (stats.hit_lengths if hit else stats.miss_lengths[backup]).append(accepted_len + 1)
+            if looked:
+                stats.lookup_lengths.append(accepted_len + 1)
+                stats.lookup_hits += hit
+            else:
+                (stats.hit_lengths if hit else stats.miss_lengths[backup]).append(accepted_len + 1)
 
     def speed_model(self) -> SpeedModel:
         """The measured quantities of Theorem 7, with prior guesses where nothing was measured
