@@ -194,9 +194,10 @@ def exact_continuations(model: LlamaModel, temperature: float) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sd_continuations(target: LlamaModel, draft: LlamaModel, temperature: float) -> torch.Tensor:
+def sd_continuations(target: LlamaModel, draft: LlamaModel, temperature: float,
+                     prompt_lookup: int | None = None) -> torch.Tensor:
     """ROWS sequences decoded together by SDDecoder, each with its own seed: [ROWS, NEW]."""
-    decoder = SDDecoder(target, draft, TINY_K)
+    decoder = SDDecoder(target, draft, TINY_K, prompt_lookup)
     seqs = [Sequence(i, PROMPT, SamplingParams(temperature=temperature, max_tokens=NEW, seed=i), [])
             for i in range(ROWS)]
     decoder.reserve(ROWS, len(PROMPT) + NEW + decoder.lookahead)
@@ -206,9 +207,10 @@ def sd_continuations(target: LlamaModel, draft: LlamaModel, temperature: float) 
     return torch.tensor([s.output_ids for s in seqs])
 
 
-def decoder_tv(target: LlamaModel, draft: LlamaModel, temperature: float) -> tuple[float, float]:
+def decoder_tv(target: LlamaModel, draft: LlamaModel, temperature: float,
+               prompt_lookup: int | None = None) -> tuple[float, float]:
     exact = exact_continuations(target, temperature)
-    out = sd_continuations(target, draft, temperature)
+    out = sd_continuations(target, draft, temperature, prompt_lookup)
     counts = torch.bincount((out[:, 0] * TINY_V + out[:, 1]) * TINY_V + out[:, 2], minlength=TINY_V ** 3)
     return tv(counts, exact), tv_bound(exact, ROWS)
 
@@ -223,6 +225,19 @@ def test_sd_decoder_is_exact_with_a_reduced_draft_head(target):
     """The draft samples over its head rows only; the target still reaches every token."""
     observed, bound = decoder_tv(target, tiny_model(seed=11, layers=1, head_token_ids=REDUCED_HEAD), 1.0)
     assert observed < bound
+
+
+def test_sd_decoder_is_exact_with_prompt_lookup(target, draft):
+    """A one-token match is common in this 8-token vocabulary: lookups and drafts mix."""
+    observed, bound = decoder_tv(target, draft, 1.0, prompt_lookup=1)
+    assert observed < bound
+
+
+def test_prompt_lookup_check_catches_a_misreported_proposal(target, draft, monkeypatch):
+    """Lookups reported as uniform proposals instead of the point masses they are."""
+    monkeypatch.setattr(decoders, "point_masses", lambda tokens, v: torch.full((*tokens.shape, v), 1.0 / v))
+    observed, bound = decoder_tv(target, draft, 1.0, prompt_lookup=1)
+    assert observed > bound
 
 
 @pytest.mark.parametrize("rule", BROKEN_RULES)

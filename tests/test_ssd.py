@@ -33,12 +33,13 @@ NEW = 3
 ALL_CANDIDATES = [TINY_V - 1] * (SSD_K + 1)  # every possible bonus is cached: every round hits
 NO_CANDIDATES = [0] * (SSD_K + 1)  # nothing is cached: every round misses
 
-PATHS = {  # name: (fan_out, backup, saguaro_c)
-    "hit-c1": (ALL_CANDIDATES, "neural", 1.0),
-    "hit-c0.5": (ALL_CANDIDATES, "neural", 0.5),
-    "hit-c0.1": (ALL_CANDIDATES, "neural", 0.1),
-    "miss-neural": (NO_CANDIDATES, "neural", 1.0),
-    "miss-fast": (NO_CANDIDATES, "fast", 1.0),
+PATHS = {  # name: (fan_out, backup, saguaro_c, prompt_lookup)
+    "hit-c1": (ALL_CANDIDATES, "neural", 1.0, None),
+    "hit-c0.5": (ALL_CANDIDATES, "neural", 0.5, None),
+    "hit-c0.1": (ALL_CANDIDATES, "neural", 0.1, None),
+    "miss-neural": (NO_CANDIDATES, "neural", 1.0, None),
+    "miss-fast": (NO_CANDIDATES, "fast", 1.0, None),
+    "lookup": (NO_CANDIDATES, "neural", 1.0, 1),  # a one-token match is common with 8 tokens
 }
 
 
@@ -80,8 +81,9 @@ def decode_all(decoder, seqs: list[Sequence]) -> None:
 
 
 def ssd_continuations(target, draft_dir, temperature: float, path: str) -> tuple[torch.Tensor, SSDDecoder]:
-    fan_out, backup, c = PATHS[path]
-    client = InProcessDraft(WorkerConfig(str(draft_dir), "float32", SSD_K, fan_out, c), None)
+    fan_out, backup, c, prompt_lookup = PATHS[path]
+    client = InProcessDraft(WorkerConfig(str(draft_dir), "float32", SSD_K, fan_out, c, prompt_lookup=prompt_lookup),
+                            None)
     decoder = SSDDecoder(target, client, backup)
     seqs = [Sequence(i, PROMPT, SamplingParams(temperature=temperature, max_tokens=NEW, seed=i), [])
             for i in range(ROWS)]
@@ -104,7 +106,9 @@ def test_ssd_is_exact_on_every_path(tiny_target, tiny_draft_dir, path, temperatu
     assert observed < bound
     stats = decoder.stats
     misses = stats.miss_lengths[PATHS[path][1]]
-    if path.startswith("hit"):
+    if path == "lookup":
+        assert len(stats.lookup_lengths) > ROWS // 10 and misses  # lookups and neural drafts mix
+    elif path.startswith("hit"):
         assert len(stats.hit_lengths) > ROWS // 10 and not misses  # the path under test really ran
     else:
         assert len(misses) > ROWS // 10 and not stats.hit_lengths
@@ -114,6 +118,14 @@ def test_ssd_is_exact_on_every_path(tiny_target, tiny_draft_dir, path, temperatu
 def test_ssd_check_catches_a_broken_acceptance_rule(tiny_target, tiny_draft_dir, path, monkeypatch):
     monkeypatch.setattr(decoders, "verify", residual_is_p)
     observed, bound, _ = ssd_tv(tiny_target, tiny_draft_dir, 1.0, path)
+    assert observed > bound
+
+
+def test_ssd_check_catches_lookups_reported_as_other_proposals(tiny_target, tiny_draft_dir, monkeypatch):
+    uniform = lambda tokens, v: torch.full((*tokens.shape, v), 1.0 / v)  # noqa: E731
+    monkeypatch.setattr(decoders, "point_masses", uniform)
+    monkeypatch.setattr("saguaro.engine.ssd.point_masses", uniform)
+    observed, bound, _ = ssd_tv(tiny_target, tiny_draft_dir, 1.0, "lookup")
     assert observed > bound
 
 
@@ -152,10 +164,11 @@ def test_ssd_check_catches_draft_distributions_placed_on_the_wrong_tokens(tiny_t
 
 # --- the real model and a real worker process ---------------------------------------------------
 
-def ssd_decoder(llm, draft_dir, backup: str, budget: int = 4) -> SSDDecoder:
+def ssd_decoder(llm, draft_dir, backup: str, budget: int = 4, prompt_lookup: int | None = None) -> SSDDecoder:
     from saguaro.draft.fanout import uniform_fan_out
 
-    config = WorkerConfig(str(draft_dir), "float32", 4, uniform_fan_out(budget, 4), cpus=None, timeout_s=60)
+    config = WorkerConfig(str(draft_dir), "float32", 4, uniform_fan_out(budget, 4), cpus=None, timeout_s=60,
+                          prompt_lookup=prompt_lookup)
     client = DraftClient(config, llm.target.embed_tokens.weight.detach())
     return SSDDecoder(llm.target, client, backup)
 
@@ -189,6 +202,17 @@ def test_ssd_greedy_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy, bac
     assert not mismatches, f"SSD differs from AR on prompts {mismatches}"
     summary = ssd_llm.decoder.stats.summary()
     assert summary["cache_hit_rate"] is not None and 0 < summary["cache_hit_rate"]
+
+
+def test_ssd_with_prompt_lookup_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy):
+    ssd_llm = with_ssd(ssd_decoder(llm, draft_path, "fast", prompt_lookup=2))
+    outputs = []
+    for i in range(0, len(prompts), 4):
+        outputs += ssd_llm.generate(prompts[i:i + 4], SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
+                                    use_tqdm=False)
+    mismatches = [i for i, out in enumerate(outputs) if out.token_ids != ar_greedy[i]]
+    assert not mismatches, f"SSD with prompt lookup differs from AR on prompts {mismatches}"
+    assert ssd_llm.decoder.stats.summary()["lookup_rate"] > 0
 
 
 def test_killing_the_draft_mid_batch_loses_nothing(with_ssd, llm, draft_path, prompts, ar_greedy):
