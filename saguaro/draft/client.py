@@ -22,12 +22,12 @@ class WorkerConfig:
     num_speculative_tokens: int
     fan_out: list[int]
     saguaro_c: float = 1.0
-    prompt_lookup: int | None = None
     device: str = "cpu"  # the draft's device: "cpu", "cuda:1", ...
     cpus: str | None = None  # cores to pin a local CPU worker to
     address: str | None = None  # "HOST:PORT" to await a worker started elsewhere
     timeout_s: float = 60.0  # a reply slower than this means the worker is gone
     startup_timeout_s: float = 300.0
+    prompt_lookup: int | None = None  # n-gram length whose earlier match is speculated instead
 
 
 def _stop_process(process: subprocess.Popen) -> None:
