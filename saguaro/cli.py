@@ -19,9 +19,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="auto (bf16), bf16, fp16 or fp32 (default: %(default)s)")
     group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     group.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    group.add_argument("--prompt-lookup", type=int, metavar="N",
+    group.add_argument("--prompt-lookup", type=int, metavar="N", default=2,
                        help="SD and SSD: where the last N tokens occurred earlier in the text, speculate what "
-                            "followed them instead of drafting (default: off)")
+                            "followed them instead of drafting; 0 turns it off (default: %(default)s)")
     ssd = parser.add_argument_group("SSD (--method ssd)")
     ssd.add_argument("--fan-out", default="geometric",
                      help="geometric, uniform, or K+1 comma-separated counts of cached bonus tokens per "
@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fan-out", default="geometric")
     bench.add_argument("--fan-out-budget", type=int, default=16)
     bench.add_argument("--fan-out-sweep", default="", help="also: SSD hit rate for these uniform fan-outs, e.g. 1,2,4,8")
-    bench.add_argument("--prompt-lookup", type=int, metavar="N", help="SD and SSD speculate earlier text after an "
-                       "N-token match (default: off)")
+    bench.add_argument("--prompt-lookup", type=int, metavar="N", default=2,
+                       help="SD and SSD speculate earlier text after an N-token match; 0: off (default: %(default)s)")
     bench.add_argument("--saguaro-c", type=float, default=1.0)
     bench.add_argument("--backup", choices=["auto", "neural", "fast"], default="auto")
     bench.add_argument("--dtype", default="bfloat16")

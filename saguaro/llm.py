@@ -45,7 +45,8 @@ class LLM:
     acceptance_rate and power_law_r (the geometric fan-out's a and r; a is then re-fitted to the
     measured acceptance every 16 rounds).
     prompt_lookup (SD and SSD): N to speculate, wherever the last N tokens occurred earlier in
-    the text, the tokens that followed them instead of the draft's (saguaro.engine.lookup).
+    the text, the tokens that followed them instead of the draft's (saguaro.engine.lookup);
+    None or 0 turns it off.
     """
 
     def __init__(self, model: str = hub.DEFAULT_MODEL, draft: str | None = None, method: str = "ar",
@@ -53,7 +54,7 @@ class LLM:
                  num_threads: int | None = None, fan_out: str | list[int] = "geometric",
                  fan_out_budget: int = 16, saguaro_c: float = 1.0, backup: str = "auto",
                  draft_device: str = "cpu", draft_address: str | None = None,
-                 acceptance_rate: float = 0.75, power_law_r: float = 0.6, prompt_lookup: int | None = None):
+                 acceptance_rate: float = 0.75, power_law_r: float = 0.6, prompt_lookup: int | None = 2):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
         if num_threads:

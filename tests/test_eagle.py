@@ -13,9 +13,9 @@ from saguaro.engine.sequence import Sequence
 from saguaro.engine.ssd import SSDDecoder
 from saguaro.models.config import ModelConfig
 from saguaro.models.eagle import EagleDraft
-from saguaro.models.loader import load_checkpoint, save_checkpoint
+from saguaro.models.loader import load_checkpoint
 from test_exactness import TINY_V, tiny_model
-from test_ssd import NO_CANDIDATES, SSD_K, decode_all, ssd_tv
+from test_ssd import NO_CANDIDATES, SSD_K, decode_all, saved_draft, ssd_tv
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [2, 2, 2, 2, 2, 1]]
 K = 3
@@ -37,9 +37,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def eagle_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("eagle-draft")
-    save_checkpoint(tiny_eagle(), folder, dtype=torch.float32, share_embeddings=False)
-    return folder
+    return saved_draft(tmp_path_factory, "eagle-draft", tiny_eagle())
 
 
 @torch.no_grad()

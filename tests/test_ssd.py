@@ -56,20 +56,22 @@ def tiny_target():
     return tiny_model(seed=10, layers=2)
 
 
+def saved_draft(tmp_path_factory, name: str, draft) -> object:
+    """A tiny draft as a checkpoint folder, which is what a worker loads."""
+    folder = tmp_path_factory.mktemp(name)
+    save_checkpoint(draft, folder, dtype=torch.float32, share_embeddings=False)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def tiny_draft_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-draft")
-    save_checkpoint(tiny_model(seed=11, layers=1), folder, dtype=torch.float32, share_embeddings=False)
-    return folder
+    return saved_draft(tmp_path_factory, "tiny-draft", tiny_model(seed=11, layers=1))
 
 
 @pytest.fixture(scope="module")
 def reduced_draft_dir(tmp_path_factory):
     """As the shipped draft: a reduced head, here 6 of the 8 tokens."""
-    folder = tmp_path_factory.mktemp("reduced-draft")
-    draft = tiny_model(seed=11, layers=1, head_token_ids=REDUCED_HEAD)
-    save_checkpoint(draft, folder, dtype=torch.float32, share_embeddings=False)
-    return folder
+    return saved_draft(tmp_path_factory, "reduced-draft", tiny_model(seed=11, layers=1, head_token_ids=REDUCED_HEAD))
 
 
 def decode_all(decoder, seqs: list[Sequence]) -> None:

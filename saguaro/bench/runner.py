@@ -48,7 +48,7 @@ class BenchConfig:
     backup: str = "auto"
     dtype: str = "bfloat16"
     chat_template: bool = True
-    prompt_lookup: int | None = None  # SD and SSD: speculate earlier text after an N-token match
+    prompt_lookup: int | None = 2  # SD and SSD: speculate earlier text after an N-token match
     ignore_eos: bool = True  # every request decodes max_tokens: equal work for every method
     seed: int = 0
 

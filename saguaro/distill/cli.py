@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--rows", type=int, default=TrainConfig.rows)
     opt.add_argument("--row-len", type=int, default=TrainConfig.row_len)
     opt.add_argument("--lr", type=float, default=TrainConfig.lr)
+    opt.add_argument("--warmup", type=int, default=TrainConfig.warmup, help="steps of linear learning-rate warmup")
     opt.add_argument("--prompt-weight", type=float, default=TrainConfig.prompt_weight)
     opt.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
     opt.add_argument("--unroll", type=int, default=TrainConfig.unroll,
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         vocab = draft_lib.select_vocab(train_seqs, spec.head_vocab, target.config.vocab_size, sorted(eos_ids))
         draft = draft_lib.init_draft(target, spec, vocab)
-    config = TrainConfig(steps=args.steps, rows=args.rows, row_len=args.row_len, lr=args.lr,
+    config = TrainConfig(steps=args.steps, rows=args.rows, row_len=args.row_len, lr=args.lr, warmup=args.warmup,
                          prompt_weight=args.prompt_weight, eval_every=args.eval_every, seed=args.seed,
                          unroll=args.unroll, feature_weight=args.feature_weight)
     history = train(draft, train_seqs, heldout_seqs, config, out, log=tqdm.write)
