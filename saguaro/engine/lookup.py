@@ -7,20 +7,33 @@ verification exact at any temperature, and they cost no draft pass.
 """
 from __future__ import annotations
 
+MAX_MATCH = 4  # longer matches predict better (measured: 3% fewer SD rounds on HumanEval than 2)
 
-def lookup(tokens: list[int], k: int, min_match: int) -> list[int] | None:
-    """The K tokens after the latest earlier occurrence of the last `min_match` tokens (the
-    last one repeated if fewer follow), or None when they never occurred before."""
+
+def lookup(tokens: list[int], k: int, min_match: int, max_match: int = MAX_MATCH) -> list[int] | None:
+    """The K tokens after the earlier occurrence of the text's longest suffix (of min_match to
+    max_match tokens; the latest among equals), the last one repeated if fewer follow; None
+    when not even the last min_match tokens occurred before."""
     if min_match < 1 or len(tokens) <= min_match:
         return None
-    tail = tokens[-min_match:]
-    for i in range(len(tokens) - min_match - 1, -1, -1):
-        if tokens[i:i + min_match] == tail:
-            guess = tokens[i + min_match:i + min_match + k]
-            return guess + [guess[-1]] * (k - len(guess))
-    return None
+    n, last = len(tokens), tokens[-1]
+    best, best_len = None, 0
+    for i in range(n - 2, -1, -1):  # i: where an earlier occurrence of the suffix ends
+        if tokens[i] != last:
+            continue
+        m = 1
+        while m < max_match and i - m >= 0 and tokens[i - m] == tokens[n - 1 - m]:
+            m += 1
+        if m >= min_match and m > best_len:
+            best, best_len = i, m
+            if m >= max_match:
+                break
+    if best is None:
+        return None
+    guess = tokens[best + 1:best + 1 + k]
+    return guess + [guess[-1]] * (k - len(guess))
 
 
 def ngram_guess(tokens: list[int], k: int) -> list[int]:
     """SSD's fast backup: lookup on the last token alone, or the last token repeated."""
-    return lookup(tokens, k, 1) or [tokens[-1]] * k
+    return lookup(tokens, k, 1, max_match=1) or [tokens[-1]] * k
