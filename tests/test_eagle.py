@@ -145,3 +145,14 @@ def test_features_cross_the_wire_to_a_worker_process(target, eagle_dir):
         assert decoder.stats.hit_lengths and not decoder.draft_lost
     finally:
         decoder.close()
+
+
+def test_a_request_that_ends_at_prefill_does_not_break_the_worker(target, eagle_dir):
+    """The worker still registers it, and needs the target's hidden states to do so."""
+    decoder = SSDDecoder(target, InProcessDraft(WorkerConfig(str(eagle_dir), "float32", K, [1] * (K + 1), 1.0), None))
+    seqs = [Sequence(i, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), [])
+            for i, (p, n) in enumerate(zip(PROMPTS, (1, 12, 12)))]
+    decoder.reserve(len(seqs), 64)
+    decode_all(decoder, seqs)
+    assert not decoder.draft_lost
+    assert [s.output_ids for s in seqs] == [s.output_ids[:n] for s, n in zip(greedy(ARDecoder(target)), (1, 12, 12))]

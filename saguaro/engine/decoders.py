@@ -196,8 +196,9 @@ class ARDecoder:
         return outcomes
 
     def _log_features(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        """Keeps the target's hidden states of the tokens it just ran, when a draft reads them."""
-        if self.features is not None and not seq.finished:
+        """Keeps the target's hidden states of the tokens it just ran, when a draft reads them
+        (also for a sequence that just finished: SSD still registers it with the worker)."""
+        if self.features is not None:
             self.features.add(seq.seq_id, hidden)
 
     def _rows(self, seqs: list[Sequence]) -> list[int]:
