@@ -156,3 +156,14 @@ def test_a_request_that_ends_at_prefill_does_not_break_the_worker(target, eagle_
     decode_all(decoder, seqs)
     assert not decoder.draft_lost
     assert [s.output_ids for s in seqs] == [s.output_ids[:n] for s, n in zip(greedy(ARDecoder(target)), (1, 12, 12))]
+
+
+def test_sd_with_an_eagle_draft_is_exact(target, monkeypatch):
+    from saguaro.engine import decoders
+    from test_exactness import decoder_tv, residual_is_p
+
+    observed, bound = decoder_tv(target, tiny_eagle(), 1.0)
+    assert observed < bound
+    monkeypatch.setattr(decoders, "verify", residual_is_p)  # a broken acceptance rule must show
+    observed, bound = decoder_tv(target, tiny_eagle(), 1.0)
+    assert observed > bound

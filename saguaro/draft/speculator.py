@@ -16,7 +16,7 @@ import torch
 
 from saguaro.engine.decoders import FeatureLog, autoregressive_draft, ensure_cache
 from saguaro.engine.kv_cache import KVCache
-from saguaro.engine.lookup import lookup, ngram_guess
+from saguaro.engine.lookup import lookups, ngram_guess
 from saguaro.engine.runner import forward_chunks, last_hidden
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
 from saguaro.models.llama import LlamaModel
@@ -154,11 +154,7 @@ class Speculator:
                     hit = True
             seq.cache = {}
             hits.append(hit)
-        looked = {}
-        if self.prompt_lookup:
-            for i, seq in enumerate(seqs):
-                if (guess := lookup(seq.token_ids, self.k, self.prompt_lookup)) is not None:
-                    looked[i] = guess
+        looked = lookups([s.token_ids for s in seqs], self.k, self.prompt_lookup)
         for i, guess in looked.items():
             seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
         missed = [i for i, hit in enumerate(hits) if not hit and i not in looked]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from saguaro.engine.kv_cache import KVCache
-from saguaro.engine.lookup import lookup
+from saguaro.engine.lookup import lookups
 from saguaro.engine.runner import forward_chunks, last_hidden
 from saguaro.engine.sampler import WarpParams, sample, uniforms, warp
 from saguaro.engine.sequence import Sequence
@@ -247,11 +247,7 @@ class SDDecoder(ARDecoder):
         """K draft tokens per sequence [B, K] and the distributions they came from [B, K, V]
         (None: point masses). With prompt_lookup, sequences whose text offers a match take it
         (point masses) and skip the draft, whose cache catches up on their next drafted round."""
-        looked = {}
-        if self.prompt_lookup:
-            for i, seq in enumerate(seqs):
-                if (guess := lookup(seq.token_ids, self.k, self.prompt_lookup)) is not None:
-                    looked[i] = guess
+        looked = lookups([s.token_ids for s in seqs], self.k, self.prompt_lookup)
         if not looked:
             return self._draft(seqs)
         tokens = torch.tensor([looked.get(i, [0] * self.k) for i in range(len(seqs))], device=self.draft.device)

@@ -34,6 +34,14 @@ def lookup(tokens: list[int], k: int, min_match: int, max_match: int = MAX_MATCH
     return guess + [guess[-1]] * (k - len(guess))
 
 
+def lookups(texts: list[list[int]], k: int, min_match: int | None) -> dict[int, list[int]]:
+    """Index -> speculation, for the texts that offer a match (none when min_match is off)."""
+    if not min_match:
+        return {}
+    found = {i: lookup(tokens, k, min_match) for i, tokens in enumerate(texts)}
+    return {i: guess for i, guess in found.items() if guess is not None}
+
+
 def ngram_guess(tokens: list[int], k: int) -> list[int]:
     """SSD's fast backup: lookup on the last token alone, or the last token repeated."""
     return lookup(tokens, k, 1, max_match=1) or [tokens[-1]] * k
