@@ -1,0 +1,66 @@
+"""Frozen linear layers in oneDNN's blocked weight layout, for decoding on CPU.
+
+Small-batch decoding reads every weight once per step, so its speed is the speed at which the
+matrix kernels stream weights. Measured on SmolLM2-135M, one core: reordering each weight once
+at load into oneDNN's layout makes all of a step's projections 1.6x faster in bf16 for one row
+of activations and 2.2x faster for six (a verification of K + 1 = 6 tokens), with bit-identical
+results. In fp32 it makes six rows 2.6x faster but one row slower than the BLAS on a
+column-major weight, so fp32 layers keep that copy too, for single rows.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PackedLinear(nn.Module):
+    """An inference-only nn.Linear; `weight` and the state dict still give the plain matrix."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        self.bias = linear.bias
+        # fp32 single rows: the BLAS streams a column-major weight fastest when the layer has at
+        # least as many outputs as inputs (MLP up projection 1.5x, tied head 2x the row-major one).
+        self.single_row = None
+        if weight.dtype == torch.float32:
+            wide = self.out_features >= self.in_features
+            self.single_row = weight.t().contiguous().t() if wide else weight.contiguous()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError("PackedLinear is for inference: train the unpacked model")
+        if self.single_row is not None and x.numel() == self.in_features:
+            return F.linear(x, self.single_row, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Replaces every nn.Linear of a frozen CPU model by a PackedLinear (in place)."""
+    if not can_pack(device, dtype):
+        return model
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, PackedLinear(child))
+    return model
