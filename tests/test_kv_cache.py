@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from saguaro.engine.kv_cache import KVCache
+from saguaro.engine.kv_cache import KVCache, as_slice
 from saguaro.engine.runner import forward_chunks
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel
@@ -107,3 +107,27 @@ def test_cache_too_small_is_an_error(model):
     cache = KVCache(model.config, 1, 8, model.dtype)
     with pytest.raises(IndexError):
         chunk_logits(model, cache, tokens_of(9, 11), 0)
+
+
+def test_consecutive_rows_are_read_as_views():
+    assert as_slice(torch.tensor([2, 3, 4])) == slice(2, 5)
+    assert torch.equal(as_slice(torch.tensor([3, 2])), torch.tensor([3, 2]))
+    assert torch.equal(as_slice(torch.tensor([0, 2])), torch.tensor([0, 2]))
+    assert as_slice(None) is None
+
+
+@pytest.mark.parametrize("rows", [[1, 2], [2, 1]])
+def test_rows_as_slice_or_index_give_the_same_logits(model, rows):
+    """[1, 2] takes the view path, [2, 1] the indexing path: both must match fresh passes."""
+    texts = [tokens_of(7, 11), tokens_of(5, 12)]
+    cache = KVCache(model.config, 3, 16, model.dtype)
+    padded = torch.tensor([t + [0] * (7 - len(t)) for t in texts])
+    hidden = model(padded, torch.arange(7).expand(2, 7), cache, rows=torch.tensor(rows))
+    for i, text in enumerate(texts):
+        torch.testing.assert_close(model.logits(hidden[i, :len(text)]), fresh_logits(model, text))
+    step = torch.tensor([[3], [4]])
+    positions = torch.tensor([[len(texts[0])], [len(texts[1])]])
+    mask = torch.arange(8)[None, None] <= positions[..., None]
+    last = model.logits(model(step, positions, cache, rows=torch.tensor(rows), mask=mask))[:, 0]
+    for i, text in enumerate(texts):
+        torch.testing.assert_close(last[i], fresh_logits(model, text + [3 + i])[-1])

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from saguaro.engine.kv_cache import KVCache
+from saguaro.engine.kv_cache import KVCache, as_slice
 from saguaro.models.config import ModelConfig
 
 
@@ -23,11 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, the same arithmetic as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        # One fused op; for bf16 it computes in fp32 and rounds once, like
+        # (x.float() * rsqrt(mean(x.float()**2) + eps) * weight.float()).to(bf16)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -163,6 +161,7 @@ class LlamaModel(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq
         cos, sin = freqs.cos()[:, :, None], freqs.sin()[:, :, None]
         attn_mask = gqa_mask(mask, self.config.num_heads // self.config.num_kv_heads)
+        rows = as_slice(rows)
         for layer in self.layers:
             x = layer(x, cos, sin, cache, rows, slots, attn_mask, mask.shape[-1])
         return self.norm(x)
