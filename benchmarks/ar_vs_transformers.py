@@ -41,12 +41,11 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 
 def weight_bytes_per_token(model: LlamaModel) -> int:
     """Bytes of weights one decode step reads: every matrix once, of the embedding table one
-    row (unless the head is tied to it, which reads it all)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights count once
-    if not model.config.tie_word_embeddings:
-        table = model.embed_tokens.weight
-        total -= table.nbytes - table[0].nbytes
-    return total
+    row (the tied head reads it all: the state dict lists it again as lm_head.weight)."""
+    state = model.state_dict()
+    table = state["embed_tokens.weight"]
+    total = sum(v.numel() * v.element_size() for v in state.values() if v.is_floating_point())
+    return total - table.nbytes + table[0].nbytes
 
 
 def kv_bytes_per_token(model: LlamaModel, context: float) -> float:
