@@ -24,7 +24,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One fused op; for bf16 it computes in fp32 and rounds once, like
-        # (x.float() * rsqrt(mean(x.float()**2) + eps) * weight.float()).to(bf16)
+        # (x.float() * rsqrt(mean(x.float()**2) + eps) * weight.float()).to(bf16). Mixed dtypes
+        # (bf16 activations, fp32 weights under autocast in training) do the same explicitly.
+        if x.dtype != self.weight.dtype:
+            return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
