@@ -4,7 +4,7 @@ Small-batch decoding reads every weight once per step, so its speed is the speed
 matrix kernels stream weights. Measured on SmolLM2-135M, one core: reordering each weight once
 at load into oneDNN's layout makes all of a step's projections 1.6x faster in bf16 for one row
 of activations and 2.2x faster for six (a verification of K + 1 = 6 tokens), with bit-identical
-results. In fp32 it makes six rows 2.6x faster but one row slower than the BLAS on a
+results. In fp32 it makes six rows 2.4x faster but one row slower than the BLAS on a
 column-major weight, so fp32 layers keep that copy too, for single rows.
 """
 from __future__ import annotations
