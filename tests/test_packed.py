@@ -23,10 +23,11 @@ def test_bf16_packed_is_bit_identical(rows):
 
 
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN")
-@pytest.mark.parametrize("shape", [(48, 32), (32, 48)])
+@pytest.mark.parametrize("shape", [(48, 32), (32, 48), (40, 32)])  # 40 outputs: not whole blocks
 @pytest.mark.parametrize("rows", [1, 6])
-def test_fp32_packed_matches(rows, shape):
-    plain = linear(torch.float32, shape=shape)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_packed_matches(rows, shape, bias):
+    plain = linear(torch.float32, bias=bias, shape=shape)
     x = torch.randn(1, rows, shape[1])
     torch.testing.assert_close(PackedLinear(plain)(x), plain(x), rtol=1e-5, atol=1e-5)
 
