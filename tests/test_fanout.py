@@ -58,3 +58,44 @@ def test_branch_budget_follows_the_measured_fill_time():
     assert plan.next_budget(16, t_p=0.2) == 16
     assert plan.next_budget(2, t_p=50.0) == 1  # never below one branch
     assert sum(plan.fan_out([2, 1, 3], k=4, budget=5)) == 5
+
+
+def decoder_with(stats, backup: str = "auto"):
+    """The parts of an SSDDecoder that choose a backup, without a draft worker behind them."""
+    from types import SimpleNamespace
+
+    from saguaro.engine.ssd import SSDDecoder
+
+    decoder = SimpleNamespace(backup=backup, stats=stats, k=5)
+    decoder.speed_model = lambda: SSDDecoder.speed_model(decoder)
+    decoder.choose_backup = lambda batch: SSDDecoder.choose_backup(decoder, batch)
+    return decoder
+
+
+def measured(hit=3.0, neural=2.0, fast=2.0, neural_s=0.010, misses=8):
+    from saguaro.engine.ssd import SSDStats
+
+    return SSDStats(hit_lengths=[hit] * 20, miss_lengths={"neural": [neural] * misses, "fast": [fast] * misses},
+                    verify_s=[0.030] * 20, t_p=[0.8] * 20,
+                    backup_s={"neural": [neural_s] * misses, "fast": [0.0] * misses})
+
+
+def test_auto_backup_tries_both_before_trusting_the_speed_model():
+    from saguaro.engine.ssd import EXPLORE_MISSES
+
+    decoder = decoder_with(measured(misses=0))
+    tried = []
+    for _ in range(2 * EXPLORE_MISSES):
+        tried.append(decoder.choose_backup(1))
+        decoder.stats.miss_lengths[tried[-1]].append(1)
+    assert tried.count("neural") == tried.count("fast") == EXPLORE_MISSES
+
+
+def test_auto_backup_follows_measured_acceptance_and_cost():
+    # Misses drafted just in time accept twice as much: worth their 10 ms at batch 1, not at 16.
+    assert decoder_with(measured(neural=2.0, fast=1.0)).choose_backup(1) == "neural"
+    assert decoder_with(measured(neural=2.0, fast=1.0)).choose_backup(16) == "fast"
+    # As good and free: fast even at batch 1. The neural backup's own time is what it costs.
+    assert decoder_with(measured(neural=1.5, fast=1.5)).choose_backup(1) == "fast"
+    assert decoder_with(measured(neural=1.5, fast=1.5)).speed_model().t_neural == pytest.approx(1 / 3)
+    assert decoder_with(measured(neural=1.0, fast=4.0), backup="neural").choose_backup(1) == "neural"

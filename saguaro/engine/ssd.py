@@ -22,6 +22,7 @@ from saguaro.engine.sequence import Sequence
 from saguaro.models.llama import LlamaModel, scatter_to_vocab
 
 BACKUPS = ("auto", "neural", "fast")
+EXPLORE_MISSES = 8  # misses each backup is tried on before auto trusts the speed model
 
 
 @dataclass
@@ -34,7 +35,8 @@ class SSDStats:
     verify_s: list[float] = field(default_factory=list)
     fill_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)  # target idle, waiting for the draft
-    backup_s: list[float] = field(default_factory=list)  # worker time on misses, per round with one
+    backup_s: dict[str, list[float]] = field(  # worker time on misses, per round with one
+        default_factory=lambda: {"neural": [], "fast": []})
     t_p: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
@@ -183,7 +185,7 @@ class SSDDecoder(ARDecoder):
         stats.verify_s.append(verify_s)
         stats.wait_s.append(wait_s)
         if not all(spec.hits):
-            stats.backup_s.append(spec.backup_time_s)
+            stats.backup_s[backup].append(spec.backup_time_s)
         lookups = spec.lookups or [False] * len(seqs)
         for seq, before, hit, looked, (accepted_len, _) in zip(seqs, previous, spec.hits, lookups, outcomes):
             if before is None:
@@ -209,12 +211,19 @@ class SSDDecoder(ARDecoder):
             e_neural=mean(s.miss_lengths["neural"], e_hit),
             e_fast=mean(s.miss_lengths["fast"], 1.0),
             t_p=statistics.median(s.t_p) if s.t_p else 0.8,
-            t_neural=statistics.median(s.backup_s) / verify if s.backup_s else 0.8,
+            t_neural=statistics.median(s.backup_s["neural"]) / verify if s.backup_s["neural"] else 0.8,
+            t_fast=statistics.median(s.backup_s["fast"]) / verify if s.backup_s["fast"] else 0.0,
         )
 
     def choose_backup(self, batch_size: int) -> str:
+        """The forced backup, else the one the speed model favours at this batch size, once
+        both have been tried on EXPLORE_MISSES misses: until then the priors decide, and a
+        backup the priors disfavour would never be measured."""
         if self.backup != "auto":
             return self.backup
+        tried = {kind: len(lengths) for kind, lengths in self.stats.miss_lengths.items()}
+        if min(tried.values()) < EXPLORE_MISSES:
+            return min(tried, key=tried.get)
         return "neural" if batch_size < self.speed_model().critical_batch_size() else "fast"
 
     def _lose_draft(self, error: Exception) -> None:
