@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 
-BLOCK = 16  # output columns per block of the fp32 single-row copy (8: 22, 32: 20 ms a step)
+BLOCK = 16  # outputs per block of the fp32 single-row copy; a SmolLM2 step: 8 -> 21.9, 16 -> 18.3, 32 -> 20.1 ms
 
 
 class PackedLinear(nn.Module):
