@@ -63,7 +63,8 @@ def acceptance(target: LlamaModel, draft: LlamaModel, prompts: list[list[int]], 
 @torch.inference_mode()
 def step_ms(model: LlamaModel, rows: int, tokens: int, context: int = 256, repeats: int = 30) -> float:
     """Median milliseconds of one forward pass of `tokens` new tokens in each of `rows` rows after
-    `context` cached ones, logits included (what a draft step or a verification costs)."""
+    `context` cached ones, head included (what a draft step or a verification costs). The head
+    gives its own rows, as decoders sample them: a reduced draft head is never widened."""
     cache = KVCache(model.config, rows, context + tokens, model.dtype, model.device)
     features = lambda n: ({"features": torch.zeros(rows, n, model.config.hidden_size)}  # noqa: E731
                           if model.reads_features else {})
@@ -74,6 +75,6 @@ def step_ms(model: LlamaModel, rows: int, tokens: int, context: int = 256, repea
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        model.logits(model(step, positions, cache, **features(tokens)))
+        model.head_logits(model(step, positions, cache, **features(tokens)))
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
