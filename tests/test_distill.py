@@ -1,5 +1,7 @@
 """Distillation on a tiny random-weight target: the teacher cache, training and the evaluation
 loop, in seconds on a CPU."""
+import itertools
+
 import pytest
 import torch
 
@@ -97,3 +99,21 @@ def test_draft_equal_to_target_is_always_accepted(target, temperature):
                                  new_tokens=20)
     assert result.lengths and all(n == 5 for n in result.lengths)
     assert result.per_token() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_batch_schedule_walks_epochs_of_different_sizes():
+    """Each epoch packs its own shuffle: a later epoch may hold fewer batches than the first
+    (a 1,200-step run once ran out of rows in its second epoch)."""
+    from saguaro.distill.teacher import Sequence
+    from saguaro.distill.train import batch_schedule, epoch_rows
+
+    lengths = torch.randint(5, 60, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    seqs = [Sequence(torch.zeros(n, dtype=torch.int32), 1, torch.zeros(n - 1, 2, dtype=torch.int32),
+                     torch.zeros(n - 1, 2, dtype=torch.float16)) for n in lengths]
+    config = TrainConfig(rows=2, row_len=64)
+    sizes = [len(epoch_rows(seqs, config, epoch)) // config.rows for epoch in range(4)]
+    assert len(set(sizes)) > 1  # the case under test
+    steps = list(itertools.islice(batch_schedule(seqs, config), sum(sizes)))
+    assert [epoch for epoch, _ in steps] == [e for e, n in enumerate(sizes) for _ in range(n)]
+    for epoch, rows in steps:
+        assert len(rows) == config.rows and all(rows)

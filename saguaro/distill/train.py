@@ -7,11 +7,12 @@ resumed from a checkpoint continues exactly where it stopped.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Iterator, Sequence as Seq
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -216,6 +217,17 @@ def epoch_rows(sequences: Seq[Sequence], config: TrainConfig, epoch: int) -> lis
     return pack(order, config.row_len)
 
 
+def batch_schedule(sequences: Seq[Sequence], config: TrainConfig) -> Iterator[tuple[int, list[list[Sequence]]]]:
+    """(epoch, rows) of the batch of step 0, 1, 2, ... Each epoch packs its own shuffle, so
+    epochs hold different numbers of batches; a resumed run skips the steps it has done."""
+    for epoch in itertools.count():
+        rows = epoch_rows(sequences, config, epoch)
+        if len(rows) < config.rows:
+            raise ValueError("not enough training sequences for one batch")
+        for i in range(len(rows) // config.rows):
+            yield epoch, rows[i * config.rows:(i + 1) * config.rows]
+
+
 def train(draft: LlamaModel, train_seqs: Seq[Sequence], heldout_seqs: Seq[Sequence], config: TrainConfig,
           out: Path | None = None, log=print) -> list[dict]:
     """Trains `draft` in place and returns the evaluation history. With `out`, checkpoints go
@@ -238,18 +250,12 @@ def train(draft: LlamaModel, train_seqs: Seq[Sequence], heldout_seqs: Seq[Sequen
     if not history:
         history.append({"step": 0, **evaluate(draft, heldout)})
         _record(history[-1], out, log)
-    rows_per_epoch = len(epoch_rows(train_seqs, config, 0)) // config.rows
-    if rows_per_epoch == 0:
-        raise ValueError("not enough training sequences for one batch")
     bar = tqdm(total=config.steps, initial=step, desc="distill", unit="step", dynamic_ncols=True)
-    epoch, rows = -1, []
+    schedule = itertools.islice(batch_schedule(train_seqs, config), step, None)
     started = time.time()
     while step < config.steps:
-        if step // rows_per_epoch != epoch:
-            epoch = step // rows_per_epoch
-            rows = epoch_rows(train_seqs, config, epoch)
-        i = step % rows_per_epoch
-        batch = make_batch(rows[i * config.rows:(i + 1) * config.rows], config.row_len, to_draft, config.prompt_weight)
+        epoch, rows = next(schedule)
+        batch = make_batch(rows, config.row_len, to_draft, config.prompt_weight)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
         loss = batch_loss(draft, batch, config)
