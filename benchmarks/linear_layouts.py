@@ -15,6 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from saguaro.models.packed import output_blocks
+
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate/up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 BLOCKS = (8, 16, 32, 48)
 
@@ -28,12 +30,6 @@ def best_seconds(run, repeats: int) -> float:
     return best
 
 
-def blocked(weight: torch.Tensor, block: int) -> torch.Tensor:
-    """[out, in] -> [out / block, in, block]: each block of outputs stored input-major."""
-    out_features, in_features = weight.shape
-    return weight.reshape(out_features // block, block, in_features).transpose(1, 2).contiguous()
-
-
 def bmm_blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.reshape(1, 1, -1).expand(w.shape[0], 1, -1), w)
 
@@ -44,7 +40,7 @@ LAYOUTS = {
     "column-major (BLAS)": (lambda w: w.t().contiguous().t(), F.linear),
     "oneDNN packed": (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
                       lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")),
-    **{f"bmm, blocks of {b}": (lambda w, b=b: blocked(w, b), bmm_blocks) for b in BLOCKS},
+    **{f"bmm, blocks of {b}": (lambda w, b=b: output_blocks(w, b), bmm_blocks) for b in BLOCKS},
 }
 
 
