@@ -8,7 +8,7 @@ import torch
 from saguaro.engine.kv_cache import KVCache, as_slice
 from saguaro.engine.runner import forward_chunks
 from saguaro.models.config import ModelConfig
-from saguaro.models.llama import SINGLE_QUERY_MIN_ROWS, LlamaModel
+from saguaro.models.llama import LlamaModel
 
 VOCAB = 64
 
@@ -73,21 +73,6 @@ def test_sequences_in_arbitrary_rows(model):
     # Decoding continues in those rows: one more token each, at different offsets.
     nxt = [[tokens_of(1, 6)[0]], [tokens_of(1, 7)[0]]]
     hidden = forward_chunks(model, cache, [3, 1], nxt, [9, 5])
-    for i, seq in enumerate(seqs):
-        torch.testing.assert_close(model.logits(hidden[i, 0]), fresh_logits(model, seq + nxt[i])[-1],
-                                   atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("lengths", [[9, 5, 12, 3, 7, 1], [6] * 5], ids=["masked", "unmasked"])
-def test_one_token_in_many_rows_matches_fresh_forwards(model, lengths):
-    """From SINGLE_QUERY_MIN_ROWS rows of one new token each, attention takes its own path."""
-    seqs = [tokens_of(n, 10 + i) for i, n in enumerate(lengths)]
-    assert len(seqs) >= SINGLE_QUERY_MIN_ROWS
-    cache = KVCache(model.config, len(seqs), 16, model.dtype)
-    rows = list(range(len(seqs)))
-    forward_chunks(model, cache, rows, seqs, [0] * len(seqs))
-    nxt = [[tokens_of(1, 20 + i)[0]] for i in rows]
-    hidden = forward_chunks(model, cache, rows, nxt, lengths)
     for i, seq in enumerate(seqs):
         torch.testing.assert_close(model.logits(hidden[i, 0]), fresh_logits(model, seq + nxt[i])[-1],
                                    atol=1e-5, rtol=1e-5)

@@ -59,21 +59,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-# From this many rows of one new token each, two batched matmuls beat SDPA's CPU kernel, which
-# costs about 0.07 ms per row at 512 cached slots (bf16, one core; 16 rows: 1.13 ms against 0.41).
-SINGLE_QUERY_MIN_ROWS = 4
-
-
-def single_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                           attn_mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of [B, Hkv, G, D] queries (one token per row) over [B, Hkv, S, D] keys and
-    values, softmax in fp32: one-token decode of many rows (batched AR, a draft's 16 rows)."""
-    scores = (q @ keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return scores.softmax(-1).to(values.dtype) @ values
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -99,10 +84,7 @@ class Attention(nn.Module):
         # are stacked along the query axis (attn_mask is already laid out that way).
         G = H // Hkv
         q = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        if T == 1 and B >= SINGLE_QUERY_MIN_ROWS and q.device.type == "cpu":
-            out = single_query_attention(q, keys, values, attn_mask)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
         out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
         return self.o_proj(out)
 
