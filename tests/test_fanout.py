@@ -99,3 +99,19 @@ def test_auto_backup_follows_measured_acceptance_and_cost():
     assert decoder_with(measured(neural=1.5, fast=1.5)).choose_backup(1) == "fast"
     assert decoder_with(measured(neural=1.5, fast=1.5)).speed_model().t_neural == pytest.approx(1 / 3)
     assert decoder_with(measured(neural=1.0, fast=4.0), backup="neural").choose_backup(1) == "neural"
+
+
+def test_backup_time_is_measured_only_on_rounds_that_ran_a_backup():
+    """A miss covered by a prompt lookup ran no backup: its reply time would make the neural
+    backup look free, and auto would never switch to the fast one at any batch size."""
+    from types import SimpleNamespace
+
+    from saguaro.engine.ssd import SSDDecoder, SSDStats
+
+    decoder = SimpleNamespace(stats=SSDStats())
+    seq = SimpleNamespace(stats=SimpleNamespace(cache_hits=[]))
+    for looked, backup_s in ((True, 0.0001), (False, 0.012), (True, 0.0001)):
+        spec = SimpleNamespace(fill_time_s=0.0, hits=[False], lookups=[looked], backup_time_s=backup_s)
+        SSDDecoder._record(decoder, [seq], [(1, 7)], spec, [(2, 9)], "neural", 0.0, 0.030)
+    assert decoder.stats.backup_s["neural"] == [0.012]
+    assert len(decoder.stats.lookup_lengths) == 2 and decoder.stats.miss_lengths["neural"] == [3]

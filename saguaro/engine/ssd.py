@@ -184,9 +184,9 @@ class SSDDecoder(ARDecoder):
             stats.t_p.append(spec.fill_time_s / stats.verify_s[-1])
         stats.verify_s.append(verify_s)
         stats.wait_s.append(wait_s)
-        if not all(spec.hits):
-            stats.backup_s[backup].append(spec.backup_time_s)
         lookups = spec.lookups or [False] * len(seqs)
+        if any(not hit and not looked for hit, looked in zip(spec.hits, lookups)):
+            stats.backup_s[backup].append(spec.backup_time_s)  # a lookup needs no backup
         for seq, before, hit, looked, (accepted_len, _) in zip(seqs, previous, spec.hits, lookups, outcomes):
             if before is None:
                 continue  # a request's first round cannot hit
