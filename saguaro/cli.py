@@ -19,6 +19,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="auto (bf16), bf16, fp16 or fp32 (default: %(default)s)")
     group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     group.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    group.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                       help="each position's logits independent of what shares its pass, so greedy SD/SSD "
+                            "equal AR in every dtype (default: on)")
     group.add_argument("--prompt-lookup", type=int, metavar="N", default=2,
                        help="SD and SSD: where the last N tokens occurred earlier in the text, speculate what "
                             "followed them instead of drafting; 0 turns it off (default: %(default)s)")
@@ -106,7 +109,8 @@ def make_llm(args: argparse.Namespace):
     return LLM(args.model, draft=args.draft, method=method, num_speculative_tokens=args.num_speculative_tokens,
                device=args.device, dtype=args.dtype, num_threads=args.threads, fan_out=fan_out,
                fan_out_budget=args.fan_out_budget, saguaro_c=args.saguaro_c, backup=args.backup,
-               draft_device=args.draft_device, draft_address=args.draft_address, prompt_lookup=args.prompt_lookup)
+               draft_device=args.draft_device, draft_address=args.draft_address, prompt_lookup=args.prompt_lookup,
+               batch_invariant=args.batch_invariant)
 
 
 def sampling_params(args: argparse.Namespace):

@@ -47,6 +47,9 @@ class LLM:
     prompt_lookup (SD and SSD): N to speculate, wherever the last N tokens occurred earlier in
     the text, the tokens that followed them instead of the draft's (saguaro.engine.lookup);
     None or 0 turns it off.
+    batch_invariant: each position's logits bit-identical however many tokens and requests share
+    the target's pass (saguaro.models.invariant), so that greedy SD and SSD equal AR in every
+    dtype and at every batch size; False trades that for the library kernels' own speed.
     """
 
     def __init__(self, model: str = hub.DEFAULT_MODEL, draft: str | None = None, method: str = "ar",
@@ -54,7 +57,8 @@ class LLM:
                  num_threads: int | None = None, fan_out: str | list[int] = "geometric",
                  fan_out_budget: int = 16, saguaro_c: float = 1.0, backup: str = "auto",
                  draft_device: str = "cpu", draft_address: str | None = None,
-                 acceptance_rate: float = 0.75, power_law_r: float = 0.6, prompt_lookup: int | None = 2):
+                 acceptance_rate: float = 0.75, power_law_r: float = 0.6, prompt_lookup: int | None = 2,
+                 batch_invariant: bool = True):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
         if num_threads:
@@ -64,6 +68,7 @@ class LLM:
         path = hub.resolve(model)
         self.tokenizer = load_tokenizer(path)
         self.target = load_model(path, self.dtype, device)
+        self.target.set_batch_invariant(batch_invariant)
         self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]
         self._ids = itertools.count()
         self._cores_before: tuple[set[int], int] | None = None  # restored by close()

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from saguaro.engine.kv_cache import KVCache, as_slice
+from saguaro.models import invariant
 from saguaro.models.config import ModelConfig
 
 
@@ -69,11 +70,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.batch_invariant = False  # see LlamaModel.set_batch_invariant
 
     def forward(self, x, cos, sin, cache: KVCache, rows, slots, attn_mask, span: int) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)
+        project = invariant.project if self.batch_invariant else _call
+        qkv = project(self.qkv_proj, x).view(B, T, H + 2 * Hkv, D)
         qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])), dim=2)
@@ -84,9 +87,10 @@ class Attention(nn.Module):
         # are stacked along the query axis (attn_mask is already laid out that way).
         G = H // Hkv
         q = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
+        attend = invariant.attention if self.batch_invariant else F.scaled_dot_product_attention
+        out = attend(q, keys, values, attn_mask=attn_mask)
         out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
-        return self.o_proj(out)
+        return project(self.o_proj, out)
 
 
 class MLP(nn.Module):
@@ -94,10 +98,16 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.batch_invariant = False  # see LlamaModel.set_batch_invariant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        project = invariant.project if self.batch_invariant else _call
+        gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)
+        return project(self.down_proj, F.silu(gate) * up)
+
+
+def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
 
 
 class DecoderLayer(nn.Module):
@@ -124,6 +134,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        self.batch_invariant = False
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -134,6 +145,14 @@ class LlamaModel(nn.Module):
             # Vocabulary id of each head row; saved with the weights.
             self.register_buffer("head_token_ids", torch.zeros(config.head_vocab_size, dtype=torch.long))
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Whether each position's logits are bit-identical however many tokens and sequences
+        share its pass (saguaro.models.invariant): what makes greedy SD and SSD equal AR in
+        every dtype."""
+        for module in self.modules():
+            if hasattr(module, "batch_invariant"):
+                module.batch_invariant = on
 
     @property
     def device(self) -> torch.device:
@@ -178,7 +197,8 @@ class LlamaModel(nn.Module):
         """fp32 logits over the head's own rows: the vocabulary, or a reduced head's tokens.
         Drafts sample in this space (all the mass is there, at a fraction of the width) and
         map rows to token ids with `head_token`."""
-        return self.lm_head(hidden).float()
+        project = invariant.project if self.batch_invariant else _call
+        return project(self.lm_head, hidden).float()
 
     def head_token(self, rows: torch.Tensor) -> torch.Tensor:
         return rows if self.config.head_vocab_size is None else self.head_token_ids[rows]

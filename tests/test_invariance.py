@@ -1,0 +1,103 @@
+"""Batch invariance: a position's logits are bit-identical however many tokens and requests share
+the target's pass, so greedy SD and SSD commit exactly AR's tokens in bf16 and fp16 too, not only
+in fp32 (where near-ties rarely flip). The control shows the harness finds the differences the
+library kernels make when invariance is off."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from saguaro import LLM, SamplingParams
+from saguaro.engine.decoders import new_cache
+from saguaro.engine.runner import forward_chunks
+from saguaro.models import hub
+from saguaro.models.loader import load_model
+
+STEPS = 24  # one-token AR steps, then the same positions re-run as K + 1 = 6 token chunks
+CHUNK = 6
+OTHER_ROWS = 8  # a batch of 9 x 6 = 54 rows: past the 32 rows where oneDNN's bf16 kernel changes
+
+
+@pytest.fixture(scope="module")
+def models(smollm2_path):
+    return {dtype: load_model(smollm2_path, dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
+
+
+def greedy_steps(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """The greedy continuation one token at a time at batch 1, and each step's logits."""
+    cache = new_cache(model, 1, len(prompt) + STEPS + CHUNK)
+    forward_chunks(model, cache, [0], [prompt[:-1]], [0])
+    tokens, logits = list(prompt), []
+    for _ in range(STEPS):
+        hidden = forward_chunks(model, cache, [0], [[tokens[-1]]], [len(tokens) - 1])
+        logits.append(model.logits(hidden[:, -1])[0])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, torch.stack(logits)
+
+
+def chunked_in_a_batch(model, prompt: list[int], tokens: list[int], others: list[list[int]]) -> torch.Tensor:
+    """The same positions' logits, computed CHUNK tokens at a time next to other requests whose
+    chunks and lengths differ (so the pass also attends over masked slots)."""
+    rows = 1 + len(others)
+    longest = max(len(tokens), *(len(o) + STEPS for o in others)) + CHUNK
+    cache = new_cache(model, rows, longest)
+    forward_chunks(model, cache, list(range(rows)), [prompt[:-1]] + [o[:-1] for o in others],
+                   [0] * rows)
+    logits, start = [], len(prompt) - 1
+    for step in range(0, STEPS, CHUNK):
+        chunks = [tokens[start + step:start + step + CHUNK]]
+        starts = [start + step]
+        for o in others:
+            chunks.append([(t * 7 + step) % 1000 for t in o[-CHUNK:]])
+            starts.append(len(o) - 1 + step)
+        hidden = forward_chunks(model, cache, list(range(rows)), chunks, starts)
+        logits.append(model.logits(hidden[0]))
+    return torch.cat(logits)
+
+
+def positions_that_differ(model, prompts: list[list[int]]) -> int:
+    differ = 0
+    for prompt in prompts[:2]:
+        tokens, step_logits = greedy_steps(model, prompt)
+        others = [p[:len(p) - i] for i, p in enumerate(prompts[2:2 + OTHER_ROWS])]
+        batch_logits = chunked_in_a_batch(model, prompt, tokens, others)
+        differ += int((step_logits != batch_logits).any(dim=-1).sum())
+    return differ
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_logits_do_not_depend_on_what_shares_the_pass(models, prompts, dtype):
+    model = models[dtype]
+    model.set_batch_invariant(True)
+    assert positions_that_differ(model, prompts) == 0
+
+
+def test_control_library_kernels_round_by_shape(models, prompts):
+    model = models[torch.bfloat16]
+    model.set_batch_invariant(False)
+    try:
+        assert positions_that_differ(model, prompts) > 0
+    finally:
+        model.set_batch_invariant(True)
+
+
+@pytest.fixture(scope="module")
+def heldout(prompts) -> list[list[int]]:
+    return prompts[:8]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sd_and_ssd_greedy_equal_ar_in_half_precision(heldout, dtype):
+    params = SamplingParams(temperature=0, max_tokens=48)
+    ar = LLM(hub.DEFAULT_MODEL, dtype=dtype)
+    expected = [o.token_ids for o in ar.generate(heldout, params, use_tqdm=False)]  # one batch of 8
+    sd = LLM(hub.DEFAULT_MODEL, method="sd", dtype=dtype, num_speculative_tokens=5)
+    for batch in (1, 4):
+        got = []
+        for i in range(0, len(heldout), batch):
+            got += [o.token_ids for o in sd.generate(heldout[i:i + batch], params, use_tqdm=False)]
+        assert [i for i, (g, e) in enumerate(zip(got, expected)) if g != e] == [], f"SD at batch {batch}"
+    with LLM(hub.DEFAULT_MODEL, method="ssd", dtype=dtype, num_speculative_tokens=5) as ssd:
+        got = [o.token_ids for o in ssd.generate(heldout, params, use_tqdm=False)]
+        assert [i for i, (g, e) in enumerate(zip(got, expected)) if g != e] == [], "SSD at batch 8"
+        assert ssd.metrics()["cache_hit_rate"] > 0
