@@ -43,6 +43,8 @@ CASES = {
     "qwen2": ("qwen2", "Qwen2 tiny", lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True), {}),
     # head_dim 128 as in every Qwen3, not hidden / heads: read from attention.key_length
     "qwen3": ("qwen3", "Qwen3 tiny", lambda: transformers.Qwen3Config(**SMALL, head_dim=128), {}),
+    # transformers reads this as Llama (the same network); a general.name of exactly "mistral"
+    # would send it to a Mistral path that today's gguf-py cannot serve.
     "mistral": ("llama", "Mistral tiny", lambda: transformers.MistralConfig(**SMALL), {}),
 }
 # transformers' GGUF reader drops rope scaling for "llama" files (rope_freqs and the linear
@@ -154,8 +156,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-# 80 positions: beyond the 64-token original context of the llama3 case, where unscaled and
-# scaled rope differ most.
+# 80 positions, past the llama3 case's 64-token original context.
 TOKENS = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
