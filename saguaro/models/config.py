@@ -22,6 +22,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
+    # Hugging Face's rope_scaling, or {"rope_type": "divisors", "divisors": [...]} from a GGUF's rope_freqs
     rope_scaling: dict | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False

@@ -33,7 +33,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with the linear or llama3 long-context scaling when configured."""
+    """Inverse frequencies, with the linear or llama3 long-context scaling when configured, or
+    divided by per-dimension `divisors` (how a GGUF file carries Llama 3's scaling)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling or {}
@@ -49,6 +50,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         inv_freq = torch.where(wavelen < old_ctx / high, inv_freq,
                                torch.where(wavelen > old_ctx / low, inv_freq / factor, scaled))
+    elif kind == "divisors":
+        inv_freq = inv_freq / torch.tensor(scaling["divisors"], dtype=torch.float64)
     elif kind != "default":
         raise NotImplementedError(f"rope scaling {kind!r} is not supported")
     return inv_freq.float()

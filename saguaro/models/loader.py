@@ -66,21 +66,32 @@ def _gguf_value(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+# Mistral has no GGUF architecture of its own: llama.cpp writes it as "llama".
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
 def gguf_hf_config(reader) -> dict:
     """The GGUF metadata expressed as a Hugging Face config.json dictionary."""
     arch = _gguf_value(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3", "mistral"):
-        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}: saguaro reads {', '.join(GGUF_ARCHITECTURES)} "
+            "(llama.cpp writes Mistral models as 'llama')")
     get = lambda key, default=None: _gguf_value(reader, f"{arch}.{key}", default)  # noqa: E731
     names = {t.name for t in reader.tensors}
     hidden, heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length", hidden // heads)
+    if get("attention.value_length", head_dim) != head_dim:
+        raise UnsupportedModelError("GGUF value heads differ in width from key heads: not supported")
+    if get("rope.dimension_count", head_dim) != head_dim:
+        raise UnsupportedModelError(
+            f"GGUF rope covers {get('rope.dimension_count')} of {head_dim} head dimensions: partial rope is not supported")
     vocab = get("vocab_size") or len(_gguf_value(reader, "tokenizer.ggml.tokens"))
     config = {
         "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"), "num_hidden_layers": get("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv", heads),
-        "head_dim": get("attention.key_length", hidden // heads),
-        "rope_theta": get("rope.freq_base", 10000.0),
+        "head_dim": head_dim, "rope_theta": get("rope.freq_base", 10000.0),
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
         "max_position_embeddings": get("context_length", 8192),
         "tie_word_embeddings": "output.weight" not in names,
@@ -88,9 +99,35 @@ def gguf_hf_config(reader) -> dict:
         "bos_token_id": _gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _gguf_value(reader, "tokenizer.ggml.eos_token_id"),
     }
-    if get("rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    rope_scaling = gguf_rope_scaling(reader, arch, head_dim)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
     return config
+
+
+def gguf_rope_scaling(reader, arch: str, head_dim: int) -> dict | None:
+    """Rope scaling as llama.cpp applies it: inverse frequencies divided by a linear factor and
+    by the per-dimension divisors of a `rope_freqs` tensor, where Llama 3's scaling is baked in
+    (its `rope.scaling.*` keys are not written). Any other scaling type raises."""
+    get = lambda key, default=None: _gguf_value(reader, f"{arch}.{key}", default)  # noqa: E731
+    kind = get("rope.scaling.type", "linear")  # llama.cpp's default when only a factor is given
+    if kind not in ("none", "linear"):
+        raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported")
+    factor = (get("rope.scaling.factor") or get("rope.scale_linear") or 1.0) if kind == "linear" else 1.0
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return None if factor == 1.0 else {"rope_type": "linear", "factor": float(factor)}
+    divisors = np.asarray(dequantize_gguf(freqs), dtype=np.float64).reshape(-1)
+    if divisors.size != head_dim // 2:
+        raise UnsupportedModelError(f"GGUF rope_freqs has {divisors.size} entries, {head_dim // 2} expected")
+    return {"rope_type": "divisors", "divisors": (divisors * factor).tolist()}
+
+
+def dequantize_gguf(tensor) -> np.ndarray:
+    """A GGUF tensor as a float array in PyTorch's dimension order."""
+    from gguf.quants import dequantize
+
+    return dequantize(tensor.data, tensor.tensor_type).reshape([int(n) for n in reversed(tensor.shape)])
 
 
 def _unpermute_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -99,28 +136,34 @@ def _unpermute_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def gguf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; None for rope_freqs, which the config carries."""
+    prefix, _, kind = gguf_name.rpartition(".")
+    if prefix == "rope_freqs":
+        return None
+    if prefix in _GGUF_TOP_NAMES:
+        return f"{_GGUF_TOP_NAMES[prefix]}.{kind}"
+    if prefix.startswith("blk."):
+        _, layer, part = prefix.split(".", 2)
+        if part in _GGUF_LAYER_NAMES:
+            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+    raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name}")
+
+
 def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     reader = GGUFReader(str(file))
-    hf_config = gguf_hf_config(reader)
-    config = ModelConfig.from_hf(hf_config)
+    config = ModelConfig.from_hf(gguf_hf_config(reader))
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        prefix, _, kind = tensor.name.rpartition(".")
-        weight = dequantize(tensor.data, tensor.tensor_type).reshape([int(n) for n in reversed(tensor.shape)])
-        if prefix.startswith("blk."):
-            _, layer, part = prefix.split(".", 2)
-            if part not in _GGUF_LAYER_NAMES:
-                raise UnsupportedModelError(f"unexpected GGUF tensor {tensor.name}")
-            if config.architecture == "llama" and part in ("attn_q", "attn_k"):
-                weight = _unpermute_rope(weight, config.num_heads if part == "attn_q" else config.num_kv_heads)
-            name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
-        elif prefix in _GGUF_TOP_NAMES:
-            name = f"{_GGUF_TOP_NAMES[prefix]}.{kind}"
-        else:
+        name = gguf_tensor_name(tensor.name)
+        if name is None:
             continue
+        weight = dequantize_gguf(tensor)
+        # Only the "llama" architecture stores q/k rows in llama.cpp's interleaved order.
+        if config.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
+            weight = _unpermute_rope(weight, config.num_heads if ".q_proj." in name else config.num_kv_heads)
         state[name] = torch.from_numpy(np.array(weight, dtype=np.float32))
     return config, state
 

@@ -1,0 +1,207 @@
+"""GGUF files as llama.cpp writes them load into the model they were converted from.
+
+Each case converts a tiny random-weight transformers model to GGUF here, the way llama.cpp's
+convert_hf_to_gguf.py does (q/k rows permuted for the "llama" architecture, Llama 3's rope
+scaling baked into a `rope_freqs` tensor of per-dimension divisors, Mistral written as
+"llama"), then compares saguaro's logits on the file with the source model's and, where
+transformers' own GGUF reader reads the file faithfully, with that reader's.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.utils import logging
+
+from saguaro.engine.kv_cache import KVCache
+from saguaro.models.config import UnsupportedModelError
+from saguaro.models.loader import load_model
+
+VOCAB = 96
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256)
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+# name: (GGUF architecture, general.name, transformers config, extra GGUF keys). With head_dim
+# 16 and a 64-token original context, Llama 3's divisors fall in all three bands (1,
+# interpolated, the factor).
+CASES = {
+    "llama3": ("llama", "Llama 3.1 tiny", lambda: transformers.LlamaConfig(
+        **SMALL, head_dim=16, rope_parameters=LLAMA3_ROPE), {}),
+    "linear": ("llama", "Llama 2 tiny", lambda: transformers.LlamaConfig(**SMALL, rope_parameters=LINEAR_ROPE),
+               {"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}),
+    # Older files: no scaling type (llama.cpp then assumes linear) and the factor's old key.
+    "linear, old key": ("llama", "Llama 2 tiny", lambda: transformers.LlamaConfig(**SMALL, rope_parameters=LINEAR_ROPE),
+                        {"rope.scale_linear": 4.0}),
+    "qwen2": ("qwen2", "Qwen2 tiny", lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True), {}),
+    # head_dim 128 as in every Qwen3, not hidden / heads: read from attention.key_length
+    "qwen3": ("qwen3", "Qwen3 tiny", lambda: transformers.Qwen3Config(**SMALL, head_dim=128), {}),
+    # transformers reads this as Llama (the same network); a general.name of exactly "mistral"
+    # would send it to a Mistral path that today's gguf-py cannot serve.
+    "mistral": ("llama", "Mistral tiny", lambda: transformers.MistralConfig(**SMALL), {}),
+}
+# transformers' GGUF reader drops rope scaling for "llama" files (rope_freqs and the linear
+# keys alike), so those files are compared with their source model only.
+READ_RIGHT_BY_TRANSFORMERS = ("qwen2", "qwen3", "mistral")
+
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def permute_for_llama_cpp(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order for the "llama" architecture (interleaved rope pairs)."""
+    rows = weight.shape[0]
+    return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def llama3_rope_divisors(config) -> np.ndarray:
+    """Per-dimension divisors of the inverse frequencies: what convert_hf_to_gguf.py stores as
+    rope_freqs for a Llama 3 rope_scaling, computed from the same formula."""
+    rope = config.rope_parameters
+    dim = config.head_dim
+    inv_freq = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old_ctx, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+    divisors = []
+    for wavelen in 2 * math.pi / inv_freq:
+        if wavelen < old_ctx / high:
+            divisors.append(1.0)
+        elif wavelen > old_ctx / low:
+            divisors.append(rope["factor"])
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
+def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
+    config = model.config
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        base, _, kind = name.rpartition(".")
+        array = value.float().numpy()
+        if base in _TOP_NAMES:
+            tensors[f"{_TOP_NAMES[base]}.{kind}"] = array
+            continue
+        layer, part = base.removeprefix("model.layers.").split(".", 1)
+        if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config.num_attention_heads if part == "self_attn.q_proj" else config.num_key_value_heads
+            array = permute_for_llama_cpp(array, heads)
+        tensors[f"blk.{layer}.{_LAYER_NAMES[part]}.{kind}"] = array
+    if (config.rope_parameters or {}).get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_divisors(config)
+    return tensors
+
+
+def write_gguf(path: Path, model, arch: str, name: str, keys: dict | None = None,
+               tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """`model` as a GGUF file with llama.cpp's metadata. `keys` (named without the architecture
+    prefix) and `tensors` are added to, or replace, what the conversion writes."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None)
+    metadata = {
+        "context_length": config.max_position_embeddings, "embedding_length": config.hidden_size,
+        "block_count": config.num_hidden_layers, "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads, "attention.head_count_kv": config.num_key_value_heads,
+        "rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "rope.dimension_count": head_dim or config.hidden_size // config.num_attention_heads,
+    }
+    if head_dim is not None:  # as convert_hf_to_gguf.py: only when the config names one
+        metadata |= {"attention.key_length": head_dim, "attention.value_length": head_dim}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
+    for key, value in (metadata | (keys or {})).items():
+        add = {str: writer.add_string, int: writer.add_uint32, float: writer.add_float32}[type(value)]
+        add(f"{arch}.{key}", value)
+    for tensor_name, array in (gguf_tensors(model, arch) | (tensors or {})).items():
+        writer.add_tensor(tensor_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def source_model(case: str):
+    torch.manual_seed(0)
+    config = CASES[case][2]()
+    return transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+
+
+def saguaro_logits(model, tokens: list[int]) -> torch.Tensor:
+    cache = KVCache(model.config, 1, len(tokens), model.dtype)
+    return model.logits(model(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache))[0]
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    return model(torch.tensor([tokens])).logits[0].float()
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+# 80 positions, past the llama3 case's 64-token original context.
+TOKENS = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def converted(request, tmp_path_factory):
+    """(case, source transformers model, GGUF file)."""
+    arch, name, _, keys = CASES[request.param]
+    source = source_model(request.param)
+    file = write_gguf(tmp_path_factory.mktemp("gguf") / "model.gguf", source, arch, name, keys)
+    return request.param, source, file
+
+
+def test_gguf_matches_its_source_model(converted):
+    _, source, file = converted
+    expected = hf_logits(source, TOKENS)
+    assert expected.std() > 0.1  # the weights are large enough for the comparison to mean something
+    assert max_diff(saguaro_logits(load_model(file), TOKENS), expected) < 1e-4
+
+
+def test_gguf_matches_transformers_reading_it(converted):
+    case, _, file = converted
+    if case not in READ_RIGHT_BY_TRANSFORMERS:
+        pytest.skip(f"transformers' GGUF reader misreads the {case} file")
+    logging.set_verbosity_error()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
+    expected = hf_logits(hf.eval(), TOKENS)
+    assert max_diff(saguaro_logits(load_model(file), TOKENS), expected) < 1e-4
+
+
+UNSUPPORTED = {
+    "architecture": (dict(arch="phi3"), "unsupported GGUF architecture 'phi3'"),
+    # No GGUF writer knows a "mistral" architecture, so its q/k row order is undefined.
+    "mistral architecture": (dict(arch="mistral"), "writes Mistral models as 'llama'"),
+    "yarn rope": (dict(keys={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}), "rope scaling 'yarn'"),
+    "partial rope": (dict(keys={"rope.dimension_count": 8}), "partial rope"),
+    "unknown tensor": (dict(tensors={"rope_factors_long.weight": np.ones(8, dtype=np.float32)}),
+                       "rope_factors_long"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSUPPORTED))
+def test_unsupported_gguf_raises_a_clear_error(case, tmp_path):
+    """What saguaro cannot run exactly is refused, never loaded silently wrong."""
+    changes, message = UNSUPPORTED[case]
+    options = {"arch": "llama", **changes}
+    file = write_gguf(tmp_path / "model.gguf", source_model("mistral"), name="tiny", **options)
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_model(file)
