@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,14 +21,14 @@ from saguaro.draft.client import DraftClient, InProcessDraft, WorkerConfig
 from saguaro.draft.speculator import saguaro_sigma
 from saguaro.engine import decoders
 from saguaro.engine.sequence import Sequence
-from saguaro.engine.ssd import SSDDecoder
+from saguaro.engine.ssd import SSDDecoder, SSDStats
 from saguaro.models import hub
 from saguaro.models.llama import scatter_to_vocab
 from saguaro.models.loader import save_checkpoint
-from test_exactness import (PROMPT, REDUCED_HEAD, TINY_V, exact_continuations, residual_is_p, tiny_model, tv,
-                            tv_bound)
+from stats import MisreportedProposal, ks_pvalue, sharpen, teacher_forced_pit
+from test_exactness import ALPHA, PROMPT, REDUCED_HEAD, TINY_V, residual_is_p, tiny_model
 
-ROWS = 8_000  # broken rules land near TV 0.2, the noise bound near 0.1
+ROWS = 4_000
 SSD_K = 1  # with 3 new tokens, a first-round rejection leaves a second round to the tested path
 NEW = 3
 ALL_CANDIDATES = [TINY_V - 1] * (SSD_K + 1)  # every possible bonus is cached: every round hits
@@ -82,30 +83,25 @@ def decode_all(decoder, seqs: list[Sequence]) -> None:
         decoder.release([s for s in active if s.finished])
 
 
-def ssd_continuations(target, draft_dir, temperature: float, path: str) -> tuple[torch.Tensor, SSDDecoder]:
+def ssd_pvalue(target, draft_dir, temperature: float, path: str) -> tuple[float, SSDDecoder]:
+    """The KS p-value of ROWS continuations decoded in-process along `path` (tests/stats.py)."""
     fan_out, backup, c, prompt_lookup = PATHS[path]
     client = InProcessDraft(WorkerConfig(str(draft_dir), "float32", SSD_K, fan_out, c, prompt_lookup=prompt_lookup),
                             None)
     decoder = SSDDecoder(target, client, backup)
-    seqs = [Sequence(i, PROMPT, SamplingParams(temperature=temperature, max_tokens=NEW, seed=i), [])
-            for i in range(ROWS)]
+    params = [SamplingParams(temperature=temperature, max_tokens=NEW, seed=i) for i in range(ROWS)]
+    seqs = [Sequence(i, PROMPT, p, []) for i, p in enumerate(params)]
     decoder.reserve(ROWS, len(PROMPT) + NEW + decoder.lookahead)
     decode_all(decoder, seqs)
-    return torch.tensor([s.output_ids for s in seqs]), decoder
-
-
-def ssd_tv(target, draft_dir, temperature: float, path: str) -> tuple[float, float, SSDDecoder]:
-    exact = exact_continuations(target, temperature)
-    out, decoder = ssd_continuations(target, draft_dir, temperature, path)
-    counts = torch.bincount((out[:, 0] * TINY_V + out[:, 1]) * TINY_V + out[:, 2], minlength=TINY_V ** 3)
-    return tv(counts, exact), tv_bound(exact, ROWS), decoder
+    pits = teacher_forced_pit(target, [PROMPT] * ROWS, [s.output_ids for s in seqs], params)
+    return ks_pvalue(pits), decoder
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_ssd_is_exact_on_every_path(tiny_target, tiny_draft_dir, path, temperature):
-    observed, bound, decoder = ssd_tv(tiny_target, tiny_draft_dir, temperature, path)
-    assert observed < bound
+    pvalue, decoder = ssd_pvalue(tiny_target, tiny_draft_dir, temperature, path)
+    assert pvalue > ALPHA
     stats = decoder.stats
     misses = stats.miss_lengths[PATHS[path][1]]
     if path == "lookup":
@@ -119,16 +115,16 @@ def test_ssd_is_exact_on_every_path(tiny_target, tiny_draft_dir, path, temperatu
 @pytest.mark.parametrize("path", list(PATHS))
 def test_ssd_check_catches_a_broken_acceptance_rule(tiny_target, tiny_draft_dir, path, monkeypatch):
     monkeypatch.setattr(decoders, "verify", residual_is_p)
-    observed, bound, _ = ssd_tv(tiny_target, tiny_draft_dir, 1.0, path)
-    assert observed > bound
+    pvalue, _ = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, path)
+    assert pvalue < ALPHA
 
 
 def test_ssd_check_catches_lookups_reported_as_other_proposals(tiny_target, tiny_draft_dir, monkeypatch):
     uniform = lambda tokens, v: torch.full((*tokens.shape, v), 1.0 / v)  # noqa: E731
     monkeypatch.setattr(decoders, "point_masses", uniform)
     monkeypatch.setattr("saguaro.engine.ssd.point_masses", uniform)
-    observed, bound, _ = ssd_tv(tiny_target, tiny_draft_dir, 1.0, "lookup")
-    assert observed > bound
+    pvalue, _ = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "lookup")
+    assert pvalue < ALPHA
 
 
 @pytest.mark.parametrize("path", ["hit-c1", "hit-c0.5"])
@@ -138,16 +134,16 @@ def test_ssd_check_catches_a_proposal_other_than_the_one_reported(tiny_target, t
         return decoders.sample(saguaro_sigma(probs, probs.log(), top=2, c=0.1), u)
 
     monkeypatch.setattr(speculator, "sample", sample_elsewhere)
-    observed, bound, _ = ssd_tv(tiny_target, tiny_draft_dir, 1.0, path)
-    assert observed > bound
+    pvalue, _ = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, path)
+    assert pvalue < ALPHA
 
 
 @pytest.mark.parametrize("path", ["hit-c0.5", "miss-neural"])
 def test_ssd_is_exact_with_a_reduced_draft_head(tiny_target, reduced_draft_dir, path):
     """The worker samples and sends distributions over its head rows only; the target widens
     them, and still reaches the tokens the draft cannot propose."""
-    observed, bound, decoder = ssd_tv(tiny_target, reduced_draft_dir, 1.0, path)
-    assert observed < bound
+    pvalue, decoder = ssd_pvalue(tiny_target, reduced_draft_dir, 1.0, path)
+    assert pvalue > ALPHA
     ran = decoder.stats.hit_lengths if path.startswith("hit") else decoder.stats.miss_lengths["neural"]
     assert len(ran) > ROWS // 10
 
@@ -160,8 +156,103 @@ def test_ssd_check_catches_draft_distributions_placed_on_the_wrong_tokens(tiny_t
         return scatter_to_vocab(probs, token_ids.sort().values, vocab_size, fill)
 
     monkeypatch.setattr(ssd, "scatter_to_vocab", sorted_map)
-    observed, bound, _ = ssd_tv(tiny_target, reduced_draft_dir, 1.0, "hit-c1")
-    assert observed > bound
+    pvalue, _ = ssd_pvalue(tiny_target, reduced_draft_dir, 1.0, "hit-c1")
+    assert pvalue < ALPHA
+
+
+# --- a real worker process at K = 3: the tree, the wire, mixed batches -------------------------
+
+WORKER_K = 3
+WORKER_NEW = 1 + 3 * (WORKER_K + 1)  # the first token, then three rounds of K drafts and a bonus
+WORKER_FAN_OUT = [3, 3, 3, 4]  # most outcomes cached; the rest answered by the neural backup
+WORKER_ROWS = 4_000
+MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4),
+         SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.7, top_k=6, top_p=0.9)]
+
+
+@pytest.fixture(scope="module")
+def peaked_draft_dir(tmp_path_factory):
+    """The target with 1.5 times its logits: peaked proposals, whose misreports show, and
+    often all accepted, so rounds hit the deep branches of the tree."""
+    from test_exactness import sharpened_target
+
+    return saved_draft(tmp_path_factory, "peaked-draft", sharpened_target())
+
+
+def worker_prompts() -> list[list[int]]:
+    return [PROMPT + [i % TINY_V] for i in range(WORKER_ROWS)]
+
+
+def mixed_params() -> list[SamplingParams]:
+    """Greedy and sampled requests (temperature, top-k, top-p) in turn, each with its seed."""
+    return [replace(MIXED[i % len(MIXED)], max_tokens=WORKER_NEW, seed=i) for i in range(WORKER_ROWS)]
+
+
+def sampled_params() -> list[SamplingParams]:
+    """Temperature 1 everywhere, where a misreported proposal moves the output the most."""
+    return [SamplingParams(temperature=1.0, max_tokens=WORKER_NEW, seed=i) for i in range(WORKER_ROWS)]
+
+
+def worker_outputs(target, draft_dir, params: list[SamplingParams]) -> tuple[list[list[int]], SSDStats]:
+    """One batch decoded by SSD with its draft in a worker process."""
+    config = WorkerConfig(str(draft_dir), "float32", WORKER_K, WORKER_FAN_OUT, timeout_s=300)
+    decoder = SSDDecoder(target, DraftClient(config, None), "neural")
+    try:
+        seqs = [Sequence(i, prompt, p, []) for i, (prompt, p) in enumerate(zip(worker_prompts(), params))]
+        decoder.reserve(len(seqs), len(PROMPT) + 1 + WORKER_NEW + decoder.lookahead)
+        decode_all(decoder, seqs)
+    finally:
+        decoder.close()
+    return [s.output_ids for s in seqs], decoder.stats
+
+
+def worker_pvalue(target, draft_dir, params: list[SamplingParams]) -> tuple[float, list[list[int]], SSDStats]:
+    outputs, stats = worker_outputs(target, draft_dir, params)
+    return ks_pvalue(teacher_forced_pit(target, worker_prompts(), outputs, params)), outputs, stats
+
+
+# SSD at temperature > 0 does not repeat from its seeds (timing decides hit or backup): an exact
+# decoder fails each statistical test below with probability WORKER_ALPHA, by chance. The 0.02-TV
+# control gave p = 2.5e-6 at 3000 rows; KS's log p grows about linearly with the rows.
+WORKER_ALPHA = 1e-4
+
+def test_worker_ssd_is_exact_in_mixed_batches(tiny_target, peaked_draft_dir):
+    pvalue, outputs, stats = worker_pvalue(tiny_target, peaked_draft_dir, mixed_params())
+    assert pvalue > WORKER_ALPHA
+    greedy = [i for i, p in enumerate(mixed_params()) if p.greedy]
+    reference = decoders.ARDecoder(tiny_target)
+    seqs = [Sequence(i, worker_prompts()[i], mixed_params()[i], []) for i in greedy]
+    reference.reserve(len(seqs), len(PROMPT) + 1 + WORKER_NEW + reference.lookahead)
+    decode_all(reference, seqs)
+    assert [outputs[i] for i in greedy] == [s.output_ids for s in seqs]
+    assert len(stats.hit_lengths) > WORKER_ROWS and stats.miss_lengths["neural"]  # cached branches ran ...
+    assert sum(n == WORKER_K + 1 for n in stats.hit_lengths) > WORKER_ROWS // 10  # ... to their full depth
+
+
+def sharpen_cached_proposals(monkeypatch, power: float) -> None:
+    """Broken: the proposals of cache hits arrive as q^power (renormalised) while their tokens
+    were drawn from q; the target verifies against the wrong distribution."""
+    speculate = DraftClient.speculate
+
+    def misreporting(self, request):
+        spec = speculate(self, request)
+        spec.probs = [sharpen(p, power) if hit and p is not None else p for p, hit in zip(spec.probs, spec.hits)]
+        return spec
+
+    monkeypatch.setattr(DraftClient, "speculate", misreporting)
+
+
+def test_worker_check_catches_sharpened_proposals_of_cached_branches(tiny_target, peaked_draft_dir, monkeypatch):
+    sharpen_cached_proposals(monkeypatch, 1.3)
+    assert worker_pvalue(tiny_target, peaked_draft_dir, sampled_params())[0] < WORKER_ALPHA
+
+
+def test_worker_check_catches_a_bias_of_two_percent(tiny_target, peaked_draft_dir, monkeypatch):
+    """q^1.1 verified for q moves the first token of each round by about 0.02 in TV (measured)."""
+    rule = MisreportedProposal(1.1)
+    monkeypatch.setattr(decoders, "verify", rule)
+    assert worker_pvalue(tiny_target, peaked_draft_dir, sampled_params())[0] < WORKER_ALPHA
+    assert 0.015 < rule.mean_tv < 0.03
 
 
 # --- the real model and a real worker process ---------------------------------------------------

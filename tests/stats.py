@@ -1,0 +1,109 @@
+"""Exactness checks against the target's own conditional probabilities.
+
+Comparing a sampled set with a distribution cell by cell needs samples in proportion to the
+number of cells. Here each sampled token is instead mapped through the target's warped
+conditional distribution at its position (given the sampled prefix, computed exactly or by
+teacher forcing): the randomized probability integral transform (PIT). Under exactness the
+PIT values of one sequence are i.i.d. Uniform(0, 1) (Rosenblatt), so every position of every
+sample pools into one Kolmogorov-Smirnov test.
+
+Tokens are ordered by decreasing target probability before the transform: the usual biases
+(too sharp, too flat, mass on the wrong tokens) then move the PIT's distribution one way, which
+the KS statistic sees at its full size.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from saguaro.engine import decoders
+from saguaro.engine.runner import forward_chunks
+from saguaro.engine.sampler import SamplingParams, WarpParams, warp
+from saguaro.engine.verify import verify
+from saguaro.models.llama import LlamaModel
+
+
+def ks_pvalue(values: torch.Tensor) -> float:
+    """Asymptotic p-value of the one-sample KS test of values against Uniform(0, 1), with
+    Stephens' small-sample correction of the statistic."""
+    u = values.double().flatten().sort().values
+    n = len(u)
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    d = max((i / n - u).max().item(), (u - (i - 1) / n).max().item())
+    lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
+    if lam < 0.2:  # Kolmogorov's Q(0.2) = 1 - 1e-20; its series converges too slowly below
+        return 1.0
+    j = torch.arange(1, 101, dtype=torch.float64)
+    q = 2 * ((-1) ** (j - 1) * torch.exp(-2 * j ** 2 * lam ** 2)).sum().item()
+    return min(max(q, 0.0), 1.0)
+
+
+def randomized_pit(probs: torch.Tensor, tokens: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """probs [N, V], tokens [N], v [N] uniforms -> F(x-) + v p(x) [N], with tokens ordered by
+    decreasing probability (ties by token id). A token of probability zero lands at F(x-)."""
+    probs = probs.double()
+    probs = probs / probs.sum(-1, keepdim=True)
+    ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+    rank = (order == tokens[:, None]).int().argmax(-1, keepdim=True)
+    before = (ordered.cumsum(-1) - ordered).gather(-1, rank)[:, 0]
+    return (before + v.double() * probs.gather(-1, tokens[:, None])[:, 0]).clamp(0, 1)
+
+
+@torch.inference_mode()
+def teacher_forced_pit(model: LlamaModel, prompts: list[list[int]], outputs: list[list[int]],
+                       params: list[SamplingParams], seed: int = 0, rows_per_pass: int = 2048) -> torch.Tensor:
+    """The PIT of every output token under the model's warped conditional distribution given
+    its prompt and the output before it, pooled over all positions of all sampled rows.
+    Greedy rows (point masses) carry no information and are left out."""
+    g = torch.Generator().manual_seed(seed)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    pits = []
+    for start in range(0, len(sampled), rows_per_pass):
+        batch = sampled[start:start + rows_per_pass]
+        chunks = [prompts[i] + outputs[i][:-1] for i in batch]
+        cache = decoders.new_cache(model, len(batch), max(len(c) for c in chunks))
+        hidden = forward_chunks(model, cache, list(range(len(batch))), chunks, [0] * len(batch))
+        index = [(row, len(prompts[i]) - 1 + t) for row, i in enumerate(batch) for t in range(len(outputs[i]))]
+        rows, positions = torch.tensor(index).T
+        logits = model.logits(hidden[rows, positions])
+        warp_params = WarpParams.of([params[batch[r]] for r in rows.tolist()], logits.device)
+        tokens = torch.tensor([t for i in batch for t in outputs[i]])
+        pits.append(randomized_pit(warp(logits, warp_params), tokens, torch.rand(len(tokens), generator=g)))
+    return torch.cat(pits)
+
+
+def sharpen(probs: torch.Tensor, power: float) -> torch.Tensor:
+    """q^power, renormalised over the last dimension (point masses stay point masses)."""
+    powered = probs.double() ** power
+    return (powered / powered.sum(-1, keepdim=True)).to(probs.dtype)
+
+
+def first_token_tv(q: torch.Tensor, reported: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Exact TV between p and the distribution of the first token a round commits when its
+    draft is sampled from q but verified as if from `reported`: accepted with probability
+    min(1, p/reported), else replaced by a draw from norm(max(p - reported, 0)). [B, V] -> [B]."""
+    q, reported, p = q.double(), reported.double(), p.double()
+    kept = q * torch.where(reported > 0, (p / reported).clamp(max=1), 1.0)
+    residual = (p - reported).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    committed = kept + (1 - kept.sum(-1, keepdim=True)) * residual / residual.sum(-1, keepdim=True)
+    return 0.5 * (committed - p).abs().sum(-1)
+
+
+@dataclass
+class MisreportedProposal:
+    """A broken acceptance rule: each draft was sampled from q, but verification is told it
+    came from q^power. Records the exact TV by which each round's first committed token is off."""
+    power: float
+    tvs: list[torch.Tensor] = field(default_factory=list)
+
+    def __call__(self, draft_tokens, draft_probs, target_probs, u_accept, u_bonus):
+        reported = sharpen(draft_probs, self.power)
+        self.tvs.append(first_token_tv(draft_probs[:, 0], reported[:, 0], target_probs[:, 0]))
+        return verify(draft_tokens, reported, target_probs, u_accept, u_bonus)
+
+    @property
+    def mean_tv(self) -> float:
+        return torch.cat(self.tvs).mean().item()
