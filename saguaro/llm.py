@@ -49,7 +49,9 @@ class LLM:
     per request), saguaro_c (Saguaro sampling constant, 1 = off), backup ("auto", "neural",
     "fast"), draft_device, draft_address ("HOST:PORT" to await a worker started elsewhere),
     acceptance_rate and power_law_r (the geometric fan-out's a and r; a is then re-fitted to the
-    measured acceptance every 16 rounds).
+    measured acceptance every 16 rounds). A worker that dies or stops answering (for a few
+    typical rounds, at least a second) is replaced in the background, or awaited again at
+    draft_address, while decoding goes on without it; metrics() counts losses and restarts.
     prompt_lookup (SD and SSD): N to speculate, wherever the last N tokens occurred earlier in
     the text, the tokens that followed them instead of the draft's (saguaro.engine.lookup);
     None or 0 turns it off.
