@@ -81,6 +81,7 @@ class DraftClient:
             self._finalizer = weakref.finalize(self, _stop_process, self.process)
             atexit.register(self._finalizer)
         self.exchange_s: deque[float] = deque(maxlen=32)  # recent request -> reply times
+        self.fill_s: deque[float] = deque(maxlen=32)  # recent cache fills, which a Release or Prefill may wait out
         self.unseen_tokens = 0  # prompt tokens sent since the last reply: prefill work the worker has
         try:
             self.channel.connect()
@@ -95,13 +96,14 @@ class DraftClient:
 
     def timeout_s(self) -> float:
         """How long the worker may take to take a message or answer one before it counts as
-        gone: a few typical exchanges (which include waiting out a cache fill longer than the
-        verification), at least min_timeout_s, plus time for the prompts it has not run yet."""
+        gone: a few typical exchanges or cache fills (the worker takes no message while it
+        fills), at least min_timeout_s, plus time for the prompts it has not run yet."""
         c = self.config
         if len(self.exchange_s) < MEASURED_ROUNDS:
             base = c.timeout_s
         else:
-            base = max(c.min_timeout_s, c.timeout_rounds * statistics.median(self.exchange_s))
+            typical = max(statistics.median(self.exchange_s), statistics.median(self.fill_s))
+            base = max(c.min_timeout_s, c.timeout_rounds * typical)
         return base + self.unseen_tokens * c.prefill_s_per_token
 
     def prefill(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
@@ -119,6 +121,7 @@ class DraftClient:
             self.alive = False
             raise
         self.exchange_s.append(time.perf_counter() - start)
+        self.fill_s.append(reply.fill_time_s)
         self.unseen_tokens = 0
         return reply
 
