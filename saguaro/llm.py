@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence as SequenceABC
 import torch
 from tqdm import tqdm
 
-from saguaro.draft.client import DraftClient, WorkerConfig
+from saguaro.draft.client import DraftClient, WorkerConfig, use_cores
 from saguaro.draft.fanout import geometric_fan_out, uniform_fan_out
 from saguaro.engine.decoders import ARDecoder, SDDecoder
 from saguaro.engine.ssd import GeometricPlan, SSDDecoder
@@ -22,14 +22,20 @@ METHODS = ("ar", "sd", "ssd")
 Prompt = str | list[dict] | list[int]
 
 
+def usable_cores() -> set[int]:
+    """The cores this process may run on: its affinity where the OS keeps one (Linux), else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
 def split_cores(draft_device: str) -> str | None:
     """On CPU, the draft worker gets the last core and this process keeps the others, so
     drafting and verifying really run in parallel."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = sorted(usable_cores())
     if draft_device != "cpu" or len(cores) < 2:
         return None
-    os.sched_setaffinity(0, cores[:-1])
-    torch.set_num_threads(len(cores) - 1)
+    use_cores(set(cores[:-1]), len(cores) - 1)
     return str(cores[-1])
 
 
@@ -43,7 +49,9 @@ class LLM:
     per request), saguaro_c (Saguaro sampling constant, 1 = off), backup ("auto", "neural",
     "fast"), draft_device, draft_address ("HOST:PORT" to await a worker started elsewhere),
     acceptance_rate and power_law_r (the geometric fan-out's a and r; a is then re-fitted to the
-    measured acceptance every 16 rounds).
+    measured acceptance every 16 rounds). A worker that dies or stops answering (for a few
+    typical rounds, at least a second) is replaced in the background, or awaited again at
+    draft_address, while decoding goes on without it; metrics() counts losses and restarts.
     prompt_lookup (SD and SSD): N to speculate, wherever the last N tokens occurred earlier in
     the text, the tokens that followed them instead of the draft's (saguaro.engine.lookup);
     None or 0 turns it off.
@@ -89,7 +97,7 @@ class LLM:
             plan = GeometricPlan(fan_out_budget, power_law_r)
         elif fan_out == "uniform":
             fan_out = uniform_fan_out(fan_out_budget, k)
-        self._cores_before = os.sched_getaffinity(0), torch.get_num_threads()
+        self._cores_before = usable_cores(), torch.get_num_threads()
         config = WorkerConfig(str(draft_path), str(self.dtype).removeprefix("torch."), k, list(fan_out),
                               saguaro_c, draft_device, None if draft_address else split_cores(draft_device),
                               draft_address, prompt_lookup=prompt_lookup)
@@ -105,9 +113,7 @@ class LLM:
         if isinstance(self.decoder, SSDDecoder):
             self.decoder.close()
         if self._cores_before is not None:
-            cores, threads = self._cores_before
-            os.sched_setaffinity(0, cores)
-            torch.set_num_threads(threads)
+            use_cores(*self._cores_before)
             self._cores_before = None
 
     def __enter__(self) -> "LLM":
@@ -117,7 +123,8 @@ class LLM:
         self.close()
 
     def metrics(self) -> dict:
-        """Engine-wide SSD figures: cache hit rate, acceptance on hit / miss, T_p, wait time."""
+        """Engine-wide SSD figures: cache hit rate, acceptance on hit / miss, T_p, wait time,
+        draft workers lost and restarted."""
         return self.decoder.stats.summary() if isinstance(self.decoder, SSDDecoder) else {}
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -350,8 +350,9 @@ def test_full_queue_answers_429_with_retry_after(ssd_server):
         assert c.post("/v1/completions", json={**body, "max_tokens": 2, "stream": False}).status_code == 200
 
 
-def test_killing_the_draft_worker_mid_stream_loses_nothing(ssd_server, offline):
-    process = ssd_server.llm.decoder.client.process
+def test_killing_the_draft_worker_mid_stream_loses_nothing_and_a_new_one_takes_over(ssd_server, offline):
+    decoder = ssd_server.llm.decoder
+    process = decoder.client.process
     tokens = metric(ssd_server.url, "generation_tokens_total")
 
     async def run() -> list[str]:
@@ -365,7 +366,19 @@ def test_killing_the_draft_worker_mid_stream_loses_nothing(ssd_server, offline):
         texts = asyncio.run(run())
     assert process.wait(timeout=30) is not None
     assert texts == offline["long"][:2]
-    assert ssd_server.llm.decoder.draft_lost
+    assert metric(ssd_server.url, "draft_worker_losses_total") == 1
+    if decoder.restart is not None:
+        decoder.restart.result(timeout=TIMEOUT_S)  # the new worker is ready: the next round takes it
+
+    async def again() -> str:
+        async with httpx.AsyncClient(base_url=ssd_server.url, timeout=TIMEOUT_S) as c:
+            return await stream_text(c, PROMPTS[2], 24)
+
+    hits = metric(ssd_server.url, "speculation_cache_hits_total")
+    assert asyncio.run(again()) == offline["long"][2]
+    assert metric(ssd_server.url, "draft_worker_restarts_total") == 1 and not decoder.draft_lost
+    assert decoder.client.process.pid != process.pid
+    assert metric(ssd_server.url, "speculation_cache_hits_total") > hits  # SSD again
 
 
 # --- the command: graceful shutdown -----------------------------------------------------------------

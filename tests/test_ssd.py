@@ -7,8 +7,11 @@ negative controls can break it; greedy equality and the fault test use a real wo
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import statistics
+import time
 from dataclasses import replace
 
 import pytest
@@ -308,23 +311,76 @@ def test_ssd_with_prompt_lookup_equals_ar(with_ssd, llm, draft_path, prompts, ar
     assert ssd_llm.decoder.stats.summary()["lookup_rate"] > 0
 
 
-def test_killing_the_draft_mid_batch_loses_nothing(with_ssd, llm, draft_path, prompts, ar_greedy):
+FAULT_AFTER_ROUNDS = 4  # SSD rounds before the fault: the worker's reply times are measured by then
+FAULT_TOKENS = 40
+RESUMED_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def ar_reference(llm, prompts) -> list[list[int]]:
+    """AR greedy continuations of the six prompts the fault test decodes."""
+    params = SamplingParams(temperature=0, max_tokens=FAULT_TOKENS)
+    return [o.token_ids for o in llm.generate(prompts[:6], params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("sig, temperature", [(signal.SIGSTOP, 0.0), (signal.SIGKILL, 0.0), (signal.SIGSTOP, 0.7),
+                                              (signal.SIGKILL, 0.7)],
+                         ids=["stop-greedy", "kill-greedy", "stop-t0.7", "kill-t0.7"])
+def test_a_lost_draft_worker_stalls_briefly_and_is_replaced(with_ssd, llm, draft_path, prompts, ar_reference, sig,
+                                                            temperature):
+    """A worker that dies (SIGKILL) or stops answering (SIGSTOP) in the middle of a batch: the
+    batch goes on within seconds, loses and repeats nothing (greedy: equal to AR), a new worker
+    takes over and the next batch hits its cache again."""
     decoder = ssd_decoder(llm, draft_path, "neural")
     ssd_llm = with_ssd(decoder)
-    pid = decoder.client.process.pid
-    streamed = {}
+    worker = decoder.client.process
+    streamed, rounds_ended, fault = {}, [], []
+    step = decoder.step
 
-    def kill_after_some_tokens(index: int, text: str) -> None:
+    def timed_step(seqs) -> None:
+        step(seqs)
+        rounds_ended.append(time.perf_counter())
+
+    decoder.step = timed_step
+
+    def fault_after_some_rounds(index: int, text: str) -> None:
         streamed[index] = streamed.get(index, "") + text
-        if len(streamed[index]) > 40 and decoder.client.process.poll() is None:
-            os.kill(pid, signal.SIGKILL)
+        if not fault and len(decoder.stats.verify_s) >= FAULT_AFTER_ROUNDS:
+            os.kill(worker.pid, sig)
+            fault.append(time.perf_counter())
 
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
-    with pytest.warns(RuntimeWarning, match="draft worker lost"):
-        outputs = ssd_llm.generate(prompts[:4], params, use_tqdm=False, on_token=kill_after_some_tokens)
-    assert decoder.draft_lost and decoder.client.process.poll() is not None
-    assert [o.token_ids for o in outputs] == ar_greedy[:4]
-    assert all(streamed[i] == outputs[i].text for i in range(4))
+    greedy = temperature == 0
+    params = SamplingParams(temperature=temperature, max_tokens=FAULT_TOKENS, seed=None if greedy else 7,
+                            ignore_eos=not greedy)
+    try:
+        with pytest.warns(RuntimeWarning, match="draft worker lost"):
+            outputs = ssd_llm.generate(prompts[:3], params, use_tqdm=False, on_token=fault_after_some_rounds)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert fault and worker.poll() is not None  # a stopped worker was killed, not left behind
+    rounds = [(b - a, b > fault[0]) for a, b in zip(rounds_ended, rounds_ended[1:])]
+    stall = max(took for took, after in rounds if after)
+    usual = statistics.median(took for took, after in rounds if not after)  # a busy machine's rounds are slow
+    assert stall < 5.0 + 3 * usual, f"decoding stalled {stall:.1f} s after the worker was lost"
+    assert all(streamed[i] == outputs[i].text for i in range(3))
+    if greedy:
+        assert [o.token_ids for o in outputs] == ar_reference[:3]
+    else:
+        assert all(len(o.token_ids) == FAULT_TOKENS for o in outputs)
+
+    if decoder.restart is not None:
+        decoder.restart.result(timeout=120)  # the new worker is ready (the first batch may have ended first)
+    before = ssd_llm.metrics()
+    outputs = ssd_llm.generate(prompts[3:6], dataclasses.replace(params, max_tokens=RESUMED_TOKENS), use_tqdm=False)
+    after = ssd_llm.metrics()
+    assert after["draft_losses"] == 1 and after["draft_restarts"] == 1
+    assert decoder.client.process.pid != worker.pid and not decoder.draft_lost
+    assert after["cache_hits"] > before["cache_hits"]  # SSD resumed
+    if greedy:
+        assert [o.token_ids for o in outputs] == [t[:RESUMED_TOKENS] for t in ar_reference[3:6]]
+    else:
+        assert all(len(o.token_ids) == RESUMED_TOKENS for o in outputs)
 
 
 # --- the worker process: ports, attaching, clean exits ---------------------------------------------
@@ -370,3 +426,55 @@ def test_a_worker_started_elsewhere_attaches_by_address(tiny_target, tiny_draft_
     finally:
         if worker.poll() is None:
             worker.kill()
+
+
+def test_a_worker_attached_by_address_is_awaited_again_after_a_loss(tiny_target, tiny_draft_dir):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start_worker = lambda: subprocess.Popen([sys.executable, "-m", "saguaro.draft.worker",  # noqa: E731
+                                             "--connect", f"127.0.0.1:{port}"])
+    reference = greedy_tiny(decoders.ARDecoder(tiny_target))
+    workers = [start_worker()]
+    try:
+        engine = SSDDecoder(tiny_target, DraftClient(tiny_worker_config(tiny_draft_dir, f"127.0.0.1:{port}"), None))
+        workers[0].kill()
+        with pytest.warns(RuntimeWarning, match="draft worker lost"):
+            assert greedy_tiny(engine) == reference
+        assert engine.draft_lost and engine.stats.draft_losses == 1
+        workers.append(start_worker())  # the engine waits for one at the same address
+        engine.restart.result(timeout=60)
+        rounds = len(engine.stats.verify_s)
+        assert greedy_tiny(engine) == reference
+        assert engine.stats.draft_restarts == 1 and engine.client.ready.pid == workers[1].pid
+        assert len(engine.stats.verify_s) > rounds  # SSD rounds again
+        engine.close()
+        assert workers[1].wait(timeout=10) == 0
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+
+
+def test_ssd_starts_where_cores_cannot_be_pinned(monkeypatch, draft_path):
+    """macOS has no sched_getaffinity / sched_setaffinity: SSD splits thread counts instead."""
+    from saguaro import LLM
+
+    if len(os.sched_getaffinity(0)) != os.cpu_count() or os.cpu_count() < 2:
+        pytest.skip("needs two or more cores, all of them usable here (the worker still pins on this OS)")
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.delattr(os, "sched_setaffinity")
+    threads, cores = torch.get_num_threads(), os.cpu_count()
+    llm = LLM("smollm2", draft=str(draft_path), method="ssd", dtype="float32", num_speculative_tokens=3)
+    try:
+        assert llm.decoder.client.config.cpus == str(cores - 1)
+        assert torch.get_num_threads() == cores - 1
+        out = llm.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+        assert len(out.token_ids) == 8 and not llm.decoder.draft_lost
+    finally:
+        llm.close()
+    assert torch.get_num_threads() == threads

@@ -1,18 +1,28 @@
-"""The target's handle on the draft worker: starts (or awaits) it and speaks the protocol."""
+"""The target's handle on the draft worker: starts (or awaits) it, speaks the protocol, notices
+when it stops answering, and starts (or awaits) a new one."""
 from __future__ import annotations
 
 import atexit
 import os
+import statistics
 import subprocess
 import sys
+import threading
+import time
+import warnings
 import weakref
-from dataclasses import dataclass
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, replace
 
 import torch
 
 from saguaro.draft.protocol import (Channel, DraftUnavailable, Hello, Prefill, Ready, Release, Shutdown,
                                     Speculation, SpecRequest)
 from saguaro.engine.sampler import SamplingParams
+
+MEASURED_ROUNDS = 3  # replies measured before the timeout follows them
+RESTART_BACKOFF_S = (1.0, 60.0)  # first and longest wait between failed restarts
 
 
 @dataclass
@@ -25,9 +35,21 @@ class WorkerConfig:
     device: str = "cpu"  # the draft's device: "cpu", "cuda:1", ...
     cpus: str | None = None  # cores to pin a local CPU worker to
     address: str | None = None  # "HOST:PORT" to await a worker started elsewhere
-    timeout_s: float = 60.0  # a reply slower than this means the worker is gone
+    # How long the worker may stay silent before it counts as gone (then it is replaced):
+    timeout_s: float = 60.0  # until MEASURED_ROUNDS replies are measured (loading, warm-up)
+    min_timeout_s: float = 1.0  # afterwards timeout_rounds typical rounds, never less than this,
+    timeout_rounds: float = 4.0
+    prefill_s_per_token: float = 0.002  # plus this for each prompt token it has not run yet
     startup_timeout_s: float = 300.0
     prompt_lookup: int | None = None  # n-gram length whose earlier match is speculated instead
+
+
+def use_cores(cores: set[int], threads: int) -> None:
+    """Runs torch on `threads` threads, pinned to `cores` where the OS allows it (Linux; not
+    macOS, which has no affinity calls)."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
 
 
 def _stop_process(process: subprocess.Popen) -> None:
@@ -41,8 +63,10 @@ def _stop_process(process: subprocess.Popen) -> None:
 
 
 class DraftClient:
-    def __init__(self, config: WorkerConfig, embeddings: torch.Tensor | None, target_device: str = "cpu"):
-        self.config = config
+    def __init__(self, config: WorkerConfig, embeddings: torch.Tensor | None, target_device: str = "cpu",
+                 incarnation: int = 0):
+        self.config, self.embeddings, self.target_device = config, embeddings, target_device
+        self.incarnation = incarnation
         nccl = config.device.startswith("cuda") and str(target_device).startswith("cuda")
         host, port = (config.address.rsplit(":", 1) if config.address else ("127.0.0.1", "0"))
         self.channel = Channel(host, int(port), rank=0, device=str(target_device) if nccl else "cpu",
@@ -56,41 +80,79 @@ class DraftClient:
             self.process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             self._finalizer = weakref.finalize(self, _stop_process, self.process)
             atexit.register(self._finalizer)
-        self.channel.connect()
-        self.channel.send(Hello(config.draft, config.dtype, config.num_speculative_tokens, config.fan_out,
-                                config.saguaro_c, embeddings, config.prompt_lookup))
-        self.ready: Ready = self.channel.recv(timeout_s=config.startup_timeout_s)
+        self.exchange_s: deque[float] = deque(maxlen=32)  # recent request -> reply times
+        self.fill_s: deque[float] = deque(maxlen=32)  # recent cache fills, which a Release or Prefill may wait out
+        self.unseen_tokens = 0  # prompt tokens sent since the last reply: prefill work the worker has
+        try:
+            self.channel.connect()
+            self.channel.send(Hello(config.draft, config.dtype, config.num_speculative_tokens, config.fan_out,
+                                    config.saguaro_c, embeddings, config.prompt_lookup, incarnation),
+                              config.startup_timeout_s)
+            self.ready: Ready = self.channel.recv(timeout_s=config.startup_timeout_s)
+        except Exception:
+            self.abandon()
+            raise
         self.alive = True
+
+    def timeout_s(self) -> float:
+        """How long the worker may take to take a message or answer one before it counts as
+        gone: a few typical exchanges or cache fills (the worker takes no message while it
+        fills), at least min_timeout_s, plus time for the prompts it has not run yet."""
+        c = self.config
+        if len(self.exchange_s) < MEASURED_ROUNDS:
+            base = c.timeout_s
+        else:
+            typical = max(statistics.median(self.exchange_s), statistics.median(self.fill_s))
+            base = max(c.min_timeout_s, c.timeout_rounds * typical)
+        return base + self.unseen_tokens * c.prefill_s_per_token
 
     def prefill(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
                 max_len: int, num_rows: int, features: list[torch.Tensor] | None = None) -> None:
         self._send(Prefill(seq_ids, token_ids, params, max_len, num_rows, features))
+        self.unseen_tokens += sum(len(ids) for ids in token_ids)
 
     def speculate(self, request: SpecRequest) -> Speculation:
-        self._send(request)
+        start = time.perf_counter()
+        deadline = start + self.timeout_s()
+        self._send(request, deadline)
         try:
-            return self.channel.recv(timeout_s=self.config.timeout_s)
+            reply = self.channel.recv(timeout_s=max(deadline - time.perf_counter(), 1e-3))
         except DraftUnavailable:
             self.alive = False
             raise
+        self.exchange_s.append(time.perf_counter() - start)
+        self.fill_s.append(reply.fill_time_s)
+        self.unseen_tokens = 0
+        return reply
 
     def release(self, seq_ids: list[int]) -> None:
         if self.alive and seq_ids:
             self._send(Release(seq_ids))
 
-    def _send(self, message) -> None:
+    def _send(self, message, deadline: float | None = None) -> None:
         if not self.alive:
             raise DraftUnavailable("the draft worker is gone")
+        timeout = self.timeout_s() if deadline is None else deadline - time.perf_counter()
         try:
-            self.channel.send(message)
+            self.channel.send(message, max(timeout, 1e-3))
         except DraftUnavailable:
             self.alive = False
             raise
 
+    def abandon(self) -> None:
+        """Drops a worker that stopped answering or died: a local one is killed (a stopped one
+        too, which would never act on a polite request), and the channel closed, so that its
+        address can take a new worker."""
+        self.alive = False
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.channel.close()
+
     def close(self) -> None:
         if self.alive:
             try:
-                self.channel.send(Shutdown())
+                self.channel.send(Shutdown(), self.timeout_s())
             except DraftUnavailable:
                 pass
             self.alive = False
@@ -100,6 +162,33 @@ class DraftClient:
             except subprocess.TimeoutExpired:
                 pass
             self._finalizer()
+
+
+def replace_worker(lost: DraftClient, fan_out: list[int]) -> Future[DraftClient]:
+    """Starts a new worker (or, for one attached by address, awaits one there) on a thread of
+    its own, retrying with a growing pause until one is ready; the engine decodes without a
+    draft meanwhile. Cancelling the future stops the retries and closes a late worker."""
+    future: Future[DraftClient] = Future()
+    config = replace(lost.config, fan_out=list(fan_out))
+
+    def run() -> None:
+        pause = RESTART_BACKOFF_S[0]
+        while not future.cancelled():
+            try:
+                client = DraftClient(config, lost.embeddings, lost.target_device, lost.incarnation + 1)
+            except Exception as e:  # no worker came, or it failed to start: try again later
+                warnings.warn(f"draft worker restart failed ({e}); retrying in {pause:.0f} s", RuntimeWarning)
+                time.sleep(pause)
+                pause = min(2 * pause, RESTART_BACKOFF_S[1])
+                continue
+            try:
+                future.set_result(client)
+            except InvalidStateError:  # cancelled meanwhile
+                client.close()
+            return
+
+    threading.Thread(target=run, name="saguaro-draft-restart", daemon=True).start()
+    return future
 
 
 class InProcessDraft:

@@ -34,6 +34,7 @@ class Hello:
     saguaro_c: float
     embeddings: torch.Tensor | None  # the target's table, for drafts that borrow it
     prompt_lookup: int | None = None  # n-gram length whose earlier match is speculated instead
+    incarnation: int = 0  # workers started before this one for the same engine (restarts)
 
 
 @dataclass
@@ -118,12 +119,15 @@ class Channel:
             self.group = dist.ProcessGroupGloo(self.store, self.rank, 2, self.timeout)
         return self
 
-    def send(self, message) -> None:
+    def send(self, message, timeout_s: float | None = None) -> None:
+        """A send completes once the peer receives it: a peer that stopped would block it for
+        the group's whole timeout, hence timeout_s."""
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         payload = torch.frombuffer(bytearray(pickle.dumps(message, protocol=5)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         try:
-            self.group.send([size.to(self.device)], self.peer, 0).wait()
-            self.group.send([payload.to(self.device)], self.peer, 1).wait()
+            self._wait(self.group.send([size.to(self.device)], self.peer, 0), timeout)
+            self._wait(self.group.send([payload.to(self.device)], self.peer, 1), timeout)
         except RuntimeError as e:
             raise DraftUnavailable(str(e)) from e
 
@@ -137,6 +141,11 @@ class Channel:
         except RuntimeError as e:
             raise DraftUnavailable(str(e)) from e
         return pickle.loads(payload.cpu().numpy().tobytes())
+
+    def close(self) -> None:
+        """Drops the group and the store, which frees the port for a new rendezvous. After a
+        timeout or a lost peer the group cannot be used again (gloo closes the connection)."""
+        self.group = self.store = None
 
     @staticmethod
     def _wait(work, timeout) -> None:

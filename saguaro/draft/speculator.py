@@ -59,9 +59,12 @@ def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, top: int, c: float)
 
 class Speculator:
     def __init__(self, draft: LlamaModel, k: int, fan_out: list[int], saguaro_c: float = 1.0,
-                 prompt_lookup: int | None = None):
+                 prompt_lookup: int | None = None, incarnation: int = 0):
         self.draft, self.k, self.saguaro_c = draft, k, saguaro_c
         self.prompt_lookup = prompt_lookup  # n-gram length whose match replaces the draft's speculation
+        # A restarted worker draws from new random streams: the uniforms of the one before
+        # already shaped the committed text, so reusing them would bias its proposals.
+        self.incarnation = incarnation
         self.cache: KVCache | None = None
         self.seqs: dict[int, DraftSequence] = {}
         self.max_len = 0
@@ -93,7 +96,8 @@ class Speculator:
         free = sorted(set(range(self.cache.num_rows)) - {s.row for s in self.seqs.values()})
         new = []
         for sid, ids, p in zip(seq_ids, token_ids, params):
-            seed = (p.seed if p.seed is not None else sid) * 2654435761 + 1  # independent of the target's stream
+            # independent of the target's stream, and of earlier incarnations' streams
+            seed = (p.seed if p.seed is not None else sid) * 2654435761 + 1 + self.incarnation * 0x9E3779B97F4A7C15
             gen = torch.Generator().manual_seed(seed % (2 ** 63))
             seq = DraftSequence(sid, list(ids), p, gen, free.pop(0), cached_len=len(ids) - 1)
             self.seqs[sid] = seq

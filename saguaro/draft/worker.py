@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from saguaro.draft.client import use_cores
 from saguaro.draft.protocol import (Channel, Hello, Prefill, Ready, Release, Shutdown, Speculation,
                                     SpecRequest)
 from saguaro.draft.speculator import Speculator
@@ -31,7 +32,7 @@ class DraftServer:
     def __init__(self, hello: Hello, device: str):
         draft = load_draft_model(hello, device)
         self.speculator = Speculator(draft, hello.num_speculative_tokens, hello.fan_out, hello.saguaro_c,
-                                     hello.prompt_lookup)
+                                     hello.prompt_lookup, hello.incarnation)
         head = draft.head_token_ids.tolist() if draft.config.head_vocab_size is not None else None
         self.ready = Ready(vocab_size=draft.config.vocab_size, num_layers=draft.config.num_layers, pid=os.getpid(),
                            head_token_ids=head, reads_features=draft.reads_features)
@@ -83,8 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.cpus:
         cores = {int(c) for c in args.cpus.split(",")}
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(len(cores))
+        use_cores(cores, len(cores))
     host, port = args.connect.rsplit(":", 1)
     channel = Channel(host, int(port), rank=1, device=args.device, timeout_s=args.timeout).connect()
     serve(channel, args.device)

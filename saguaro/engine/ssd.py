@@ -3,18 +3,21 @@
 Each round the target sends the outcome of its last verification to the draft worker and gets
 the next speculation back: at once when the worker had pre-drafted it (a cache hit), after a
 backup otherwise. While the target verifies, the worker fills its cache for the next round.
-If the worker dies or stops answering, decoding goes on here, autoregressively and exactly.
+If the worker dies or stops answering, decoding goes on here, autoregressively and exactly,
+while a new worker starts in the background; once it is ready it is told the live requests
+(their committed tokens) and SSD resumes.
 """
 from __future__ import annotations
 
 import statistics
 import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.draft.client import DraftClient
+from saguaro.draft.client import DraftClient, replace_worker
 from saguaro.draft.fanout import SpeedModel, acceptance_rate, geometric_fan_out
 from saguaro.draft.protocol import DraftUnavailable, SpecRequest
 from saguaro.engine.decoders import ARDecoder, FeatureLog, point_masses
@@ -38,6 +41,8 @@ class SSDStats:
     backup_s: dict[str, list[float]] = field(  # worker time on misses, per round with one
         default_factory=lambda: {"neural": [], "fast": []})
     t_p: list[float] = field(default_factory=list)
+    draft_losses: int = 0  # the worker died or stopped answering
+    draft_restarts: int = 0  # a new worker took over
 
     def summary(self) -> dict:
         hits = len(self.hit_lengths) + self.lookup_hits
@@ -45,6 +50,7 @@ class SSDStats:
         mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
         median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
         return {
+            "cache_hits": hits,
             "cache_hit_rate": hits / rounds if rounds else None,
             "lookup_rate": len(self.lookup_lengths) / rounds if rounds else None,
             "acceptance_length_hit": mean(self.hit_lengths),
@@ -56,6 +62,8 @@ class SSDStats:
             "fill_s_median": median(self.fill_s),
             "target_wait_s_total": sum(self.wait_s),
             "target_wait_s_median": median(self.wait_s),
+            "draft_losses": self.draft_losses,
+            "draft_restarts": self.draft_restarts,
         }
 
 
@@ -91,6 +99,7 @@ class SSDDecoder(ARDecoder):
         head = client.ready.head_token_ids
         self.draft_head_ids = None if head is None else torch.tensor(head)  # rows of its distributions
         self.draft_lost = False
+        self.restart: Future[DraftClient] | None = None  # the worker starting after a loss
         if client.ready.reads_features:
             self.features = FeatureLog()
         self.fan_out = list(client.config.fan_out)
@@ -132,7 +141,7 @@ class SSDDecoder(ARDecoder):
                 self._lose_draft(e)
 
     def step(self, seqs: list[Sequence]) -> None:
-        if self.draft_lost:
+        if self.draft_lost and not self._resume(seqs):
             return super().step(seqs)
         backup = self.choose_backup(len(seqs))
         outcomes = [self.outcomes[s.seq_id] for s in seqs]
@@ -227,10 +236,35 @@ class SSDDecoder(ARDecoder):
         return "neural" if batch_size < self.speed_model().critical_batch_size() else "fast"
 
     def _lose_draft(self, error: Exception) -> None:
+        """Decodes without the draft from here; a new worker is started, except for an EAGLE
+        draft, which would need the target's hidden states of every committed token again."""
         warnings.warn(f"draft worker lost ({error}); continuing with autoregressive decoding", RuntimeWarning)
         self.draft_lost = True
+        self.stats.draft_losses += 1
+        self.client.abandon()
+        if self.features is None:
+            self.restart = replace_worker(self.client, self.fan_out)
         self.features = None
-        self.client.close()
+
+    def _resume(self, seqs: list[Sequence]) -> bool:
+        """Hands a restarted worker the live requests, each from its committed tokens (its
+        cache starts empty, so their next round is a first one). True once it has them."""
+        if self.restart is None or not self.restart.done():
+            return False
+        self.client, self.restart = self.restart.result(), None
+        self.draft_lost = False
+        self.stats.draft_restarts += 1
+        for seq in seqs:
+            self.outcomes[seq.seq_id] = None
+        try:
+            self.client.prefill([s.seq_id for s in seqs], [s.token_ids for s in seqs], [s.params for s in seqs],
+                                self.cache.num_slots - 1, self.cache.num_rows)
+        except DraftUnavailable as e:
+            self._lose_draft(e)
+            return False
+        return True
 
     def close(self) -> None:
+        if self.restart is not None and not self.restart.cancel():
+            self.restart.result().close()
         self.client.close()

@@ -158,7 +158,8 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        text = metrics.render(scheduler.stats(), dict(errors), scheduler.max_batch_size, scheduler.max_waiting)
+        text = metrics.render(scheduler.stats(), dict(errors), scheduler.max_batch_size, scheduler.max_waiting,
+                              llm.metrics())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

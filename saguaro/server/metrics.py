@@ -9,7 +9,9 @@ def _metric(lines: list[str], name: str, kind: str, help: str, samples: list[tup
     lines += [f"saguaro_{name}{labels} {value:g}" for labels, value in samples]
 
 
-def render(stats: SchedulerStats, errors: dict[int, int], max_batch_size: int, max_waiting: int) -> str:
+def render(stats: SchedulerStats, errors: dict[int, int], max_batch_size: int, max_waiting: int,
+           engine: dict | None = None) -> str:
+    """engine: LLM.metrics() (SSD: the draft worker's losses and restarts)."""
     s = stats
     lines: list[str] = []
     _metric(lines, "requests_total", "counter", "Requests that ended, by how they ended.",
@@ -40,4 +42,10 @@ def render(stats: SchedulerStats, errors: dict[int, int], max_batch_size: int, m
             [("", s.cache_lookups)])
     rate = s.cache_hits / s.cache_lookups if s.cache_lookups else 0.0
     _metric(lines, "speculation_cache_hit_rate", "gauge", "SSD cache hit rate since start.", [("", rate)])
+    if engine and "draft_losses" in engine:
+        _metric(lines, "draft_worker_losses_total", "counter",
+                "SSD draft workers that died or stopped answering (decoding went on without them).",
+                [("", engine["draft_losses"])])
+        _metric(lines, "draft_worker_restarts_total", "counter", "SSD draft workers that took over after a loss.",
+                [("", engine["draft_restarts"])])
     return "\n".join(lines) + "\n"
