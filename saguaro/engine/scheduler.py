@@ -35,7 +35,7 @@ class ShuttingDown(RuntimeError):
 
 @dataclass
 class Update:
-    """What a request receives after a round: the text committed since the last update.
+    """What a request receives after a round: the text that became final since the last update.
     A finish reason ("stop", "length") or an error (shutdown, engine failure) ends it."""
     text: str
     num_prompt_tokens: int
