@@ -143,7 +143,8 @@ class LLM:
                  use_tqdm: bool = True, on_token: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
         """Decodes every prompt as one batch; returns one RequestOutput per prompt, in order.
 
-        on_token(index, new_text) is called as text is committed (for streaming)."""
+        on_token(index, new_text) is called as text becomes final (for streaming): the pieces
+        of a prompt add up to its output's text."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (dict, int))):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -156,19 +157,14 @@ class LLM:
         if longest > limit:
             raise ValueError(f"prompt + max_tokens ({longest} tokens) exceeds the model's context of {limit}")
         self.decoder.reserve(len(seqs), longest)
-        streamed = [""] * len(seqs)
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
         total = sum(s.params.max_tokens for s in seqs)
         with tqdm(total=total, desc="generating", unit="tok", disable=not use_tqdm) as bar:
             def after_round(active: list[Sequence]) -> None:
-                for seq in active:
-                    if on_token is None and not seq.params.stop:
-                        continue
-                    text = self.committed_text(seq)  # also ends seq at its first stop string
-                    if on_token is not None:
-                        i = seqs.index(seq)
-                        if len(text) > len(streamed[i]) and text.startswith(streamed[i]):
-                            on_token(i, text[len(streamed[i]):])
-                            streamed[i] = text
+                if on_token is not None:
+                    for seq in active:
+                        if new := seq.detokenizer.take_stream():
+                            on_token(index[seq.seq_id], new)
                 self.decoder.release([s for s in active if s.finished])
                 bar.n = sum(s.params.max_tokens if s.finished else len(s.output_ids) for s in seqs)
                 bar.refresh()
@@ -183,18 +179,10 @@ class LLM:
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """A request for this engine's decoder, with an id unique in this LLM (generate and the
         server's scheduler both make them)."""
-        return Sequence(next(self._ids), prompt_ids, params, self.eos_token_ids)
-
-    def committed_text(self, seq: Sequence) -> str:
-        """The text of seq's committed tokens; a stop string found in it ends seq and cuts the
-        text before it."""
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        if seq.params.stop:
-            seq.check_stop_strings(text)
-        return text if seq.text_limit is None else text[:seq.text_limit]
+        return Sequence(next(self._ids), prompt_ids, params, self.eos_token_ids, self.tokenizer)
 
     def _output(self, seq: Sequence, prompt: Prompt) -> RequestOutput:
         return RequestOutput(
-            request_id=seq.seq_id, prompt=prompt, prompt_token_ids=seq.prompt_ids, text=self.committed_text(seq),
+            request_id=seq.seq_id, prompt=prompt, prompt_token_ids=seq.prompt_ids, text=seq.text,
             token_ids=seq.output_ids, finish_reason=seq.finish_reason,
             metrics=RequestMetrics.of(seq.stats, len(seq.output_ids), getattr(self.decoder, "k", None)))

@@ -71,6 +71,13 @@ def test_generate_chat_template_and_metrics(llm, loads, capsys):
     assert captured.err.startswith("[metrics 0] prompt ")
 
 
+def test_generate_prints_the_whole_reply_after_multi_byte_characters(llm, loads, capsys):
+    prompt = "Repeat exactly: Café 🌵 ok"
+    assert main(["generate", "--chat", "--temperature", "0", "--max-tokens", "12", prompt]) == 0
+    reply = greedy(llm, [{"role": "user", "content": prompt}], 12)
+    assert "🌵" in reply and capsys.readouterr().out == reply + "\n"
+
+
 def test_draft_selects_speculative_decoding(loads, capsys):
     main(["generate", "--draft", "some/draft", "-k", "3", "--max-tokens", "2", "x"])
     assert loads[0]["method"] == "sd" and loads[0]["draft"] == "some/draft" and loads[0]["num_speculative_tokens"] == 3

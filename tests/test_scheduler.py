@@ -50,8 +50,15 @@ class CountingDecoder:
             del self.rows[seq.seq_id]
 
 
+class CountingTokenizer:
+    """Token n reads "n "."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(f"{t} " for t in token_ids)
+
+
 class StandInLLM:
-    """What the scheduler uses of an LLM; token n reads "n "."""
+    """What the scheduler uses of an LLM."""
 
     def __init__(self):
         self.decoder = CountingDecoder()
@@ -59,13 +66,7 @@ class StandInLLM:
         self._ids = itertools.count()
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        return Sequence(next(self._ids), prompt_ids, params, eos_token_ids=[])
-
-    def committed_text(self, seq: Sequence) -> str:
-        text = "".join(f"{t} " for t in seq.output_ids)
-        if seq.params.stop:
-            seq.check_stop_strings(text)
-        return text if seq.text_limit is None else text[:seq.text_limit]
+        return Sequence(next(self._ids), prompt_ids, params, eos_token_ids=[], tokenizer=CountingTokenizer())
 
 
 class Client:

@@ -56,9 +56,19 @@ def offline(llm) -> dict:
     requests += [concurrent_request(i) for i in range(CONCURRENT)]
     outputs = llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)  # one batch
     n = len(PROMPTS)
+    chat, long = outputs[n].text, [o.text for o in outputs[n + 1:n + 4]]
+    stop_cases = [(p, 24, middle(t)) for p, t in zip(PROMPTS[:3], long)] + [(CHAT, 12, middle(chat))]
+    stopped = llm.generate([p for p, _, _ in stop_cases], [SamplingParams(temperature=0, max_tokens=m, stop=[s])
+                                                          for _, m, s in stop_cases], use_tqdm=False)
     return {"completion": [o.text for o in outputs[:n]], "completion_ids": [o.token_ids for o in outputs[:n]],
-            "chat": outputs[n].text, "long": [o.text for o in outputs[n + 1:n + 4]],
-            "concurrent": [o.text for o in outputs[n + 4:]]}
+            "chat": chat, "long": long, "concurrent": [o.text for o in outputs[n + 4:]],
+            "stopped": [(*case, o.text, o.finish_reason, len(o.token_ids)) for case, o in zip(stop_cases, stopped)]}
+
+
+def middle(text: str) -> str:
+    """A stop string from the middle of a text: three characters, so that under SD and SSD it
+    may complete anywhere in a round."""
+    return text[len(text) // 2:len(text) // 2 + 3]
 
 
 class LiveServer:
@@ -331,6 +341,43 @@ def test_ssd_requests_joining_a_running_batch_match_offline_generation(ssd_serve
 
     assert asyncio.run(run()) == offline["long"]
     assert metric(ssd_server.url, "speculation_cache_lookups_total") > 0
+
+
+@pytest.fixture(scope="module")
+def sd_server(offline, draft_path):
+    server = LiveServer(LLM(MODEL, draft=str(draft_path), method="sd", dtype="float32", num_speculative_tokens=5),
+                        ServerConfig(MODEL))
+    yield server
+    server.stop()
+
+
+def ask(client: openai.OpenAI, prompt: str | list[dict], stream: bool, **params) -> tuple[str, str, int]:
+    """Text, finish reason and completion tokens of a greedy completion (a chat completion for a
+    list of messages), whole or streamed."""
+    chat = isinstance(prompt, list)
+    create = client.chat.completions.create if chat else client.completions.create
+    request = dict(model=MODEL, temperature=0, **params, **({"messages": prompt} if chat else {"prompt": prompt}))
+    if not stream:
+        out = create(**request)
+        choice = out.choices[0]
+        return choice.message.content if chat else choice.text, choice.finish_reason, out.usage.completion_tokens
+    chunks = list(create(**request, stream=True, stream_options={"include_usage": True}))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    text = "".join((c.delta.content or "") if chat else c.text for c in choices)
+    return text, choices[-1].finish_reason, chunks[-1].usage.completion_tokens
+
+
+@pytest.mark.parametrize("server", ["ar_server", "sd_server", "ssd_server"])
+def test_stop_strings_give_every_method_offline_ar_text_and_usage(server, offline, request):
+    """A stop string ends SD and SSD at the token where it completes, as AR: the tokens after it
+    in the same round are not counted."""
+    live = request.getfixturevalue(server)
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
+    assert sum(reason == "stop" for *_, reason, _ in offline["stopped"]) >= 3  # the stop strings are met
+    for prompt, max_tokens, stop, text, reason, num_tokens in offline["stopped"]:
+        for stream in (False, True):
+            assert ask(client, prompt, stream, max_tokens=max_tokens, stop=stop) == (text, reason, num_tokens), \
+                f"{prompt!r}, stop {stop!r}, {'streamed' if stream else 'whole'}"
 
 
 def test_full_queue_answers_429_with_retry_after(ssd_server):

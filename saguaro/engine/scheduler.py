@@ -35,7 +35,7 @@ class ShuttingDown(RuntimeError):
 
 @dataclass
 class Update:
-    """What a request receives after a round: the text committed since the last update.
+    """What a request receives after a round: the text that became final since the last update.
     A finish reason ("stop", "length") or an error (shutdown, engine failure) ends it."""
     text: str
     num_prompt_tokens: int
@@ -80,7 +80,6 @@ class SchedulerStats:
 class _Running:
     request: Request
     seq: Sequence
-    sent: str = ""  # text already handed to the request
     tokens_counted: int = 0  # output tokens, acceptance lengths and cache hits already in the stats
     rounds_counted: int = 0
     hits_counted: int = 0
@@ -235,12 +234,7 @@ class Scheduler:
         updates = []
         for r in running:
             seq = r.seq
-            text = self.llm.committed_text(seq)
-            if not seq.finished:
-                text = text[:self._stable_length(text, seq.params)]
-            new = ""
-            if len(text) > len(r.sent) and text.startswith(r.sent):
-                new, r.sent = text[len(r.sent):], text
+            new = seq.detokenizer.take_stream()
             if new or seq.finished:
                 updates.append((r.request, Update(new, len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason)))
         self._record(running)
@@ -254,15 +248,6 @@ class Scheduler:
             self._num_running -= len(finished)
         for request, update in updates:
             self._send(request, update)
-
-    @staticmethod
-    def _stable_length(text: str, params: SamplingParams) -> int:
-        """How much of an unfinished request's text can be sent: not a trailing partial UTF-8
-        character, nor the end that may turn out to begin a stop string."""
-        end = len(text.rstrip("\ufffd"))
-        if params.stop:
-            end = min(end, len(text) - max(len(s) for s in params.stop) + 1)
-        return max(end, 0)
 
     def _record(self, running: list[_Running]) -> None:
         with self._lock:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from saguaro.engine.detokenizer import Detokenizer, Tokenizer
 from saguaro.engine.sampler import SamplingParams
 
 
@@ -22,10 +23,15 @@ class SequenceStats:
 
 
 class Sequence:
+    """tokenizer: decodes the output as it is committed, for its text and stop strings (a
+    sequence without one has no text)."""
+
     def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams,
-                 eos_token_ids: list[int]):
+                 eos_token_ids: list[int], tokenizer: Tokenizer | None = None):
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if params.stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
         self.seq_id = seq_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -34,7 +40,7 @@ class Sequence:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
         self.finish_reason: str | None = None
-        self.text_limit: int | None = None  # where a stop string cut the text
+        self.detokenizer = Detokenizer(tokenizer, params.stop) if tokenizer is not None else None
         self.stats = SequenceStats(prompt_len=len(prompt_ids), t_arrival=time.perf_counter())
 
     @property
@@ -48,16 +54,24 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def text(self) -> str:
+        """The output's text so far: whole characters, cut before the first stop string."""
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
     def commit(self, tokens: list[int]) -> int:
-        """Appends tokens up to and including the first stop token (kept in token ids, as in
-        vLLM); returns how many were kept."""
+        """Appends tokens up to and including the first that ends the sequence: a stop token
+        (kept in token ids, as in vLLM), the token in which a stop string completes, or the
+        max_tokens-th. The rest are dropped, so every decoder, whatever it commits per round,
+        keeps what one-token-at-a-time decoding would. Returns how many were kept."""
         kept = 0
         for token in tokens:
             if self.finished:
                 break
             kept += 1
             self.output_ids.append(token)
-            if token in self.stop_ids:
+            stop_string = self.detokenizer is not None and self.detokenizer.add(token)
+            if token in self.stop_ids or stop_string:
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.params.max_tokens:
                 self.finish_reason = "length"
@@ -66,14 +80,6 @@ class Sequence:
             self.stats.t_first_token = now
         if self.finished:
             self.stats.t_finish = now
+            if self.detokenizer is not None:
+                self.detokenizer.finish()
         return kept
-
-    def check_stop_strings(self, text: str) -> None:
-        """Ends the sequence at the first stop string in its decoded output."""
-        for stop in self.params.stop:
-            at = text.find(stop)
-            if at >= 0 and (self.text_limit is None or at < self.text_limit):
-                self.text_limit = at
-        if self.text_limit is not None and not self.finished:
-            self.finish_reason = "stop"
-            self.stats.t_finish = time.perf_counter()
