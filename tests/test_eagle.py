@@ -15,7 +15,7 @@ from saguaro.models.config import ModelConfig
 from saguaro.models.eagle import EagleDraft
 from saguaro.models.loader import load_checkpoint
 from test_exactness import TINY_V, tiny_model
-from test_ssd import NO_CANDIDATES, SSD_K, decode_all, saved_draft, ssd_tv
+from test_ssd import ALPHA, NO_CANDIDATES, SSD_K, decode_all, saved_draft, ssd_pvalue
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [2, 2, 2, 2, 2, 1]]
 K = 3
@@ -131,8 +131,8 @@ def test_ssd_with_an_eagle_draft_equals_ar_when_greedy(target, eagle_dir, backup
 
 @pytest.mark.parametrize("path", ["hit-c0.5", "miss-neural"])
 def test_ssd_with_an_eagle_draft_is_exact(target, eagle_dir, path):
-    observed, bound, _ = ssd_tv(target, eagle_dir, 0.7, path)
-    assert observed < bound
+    pvalue, _ = ssd_pvalue(target, eagle_dir, 0.7, path)
+    assert pvalue > ALPHA
 
 
 def test_features_cross_the_wire_to_a_worker_process(target, eagle_dir):
@@ -160,10 +160,8 @@ def test_a_request_that_ends_at_prefill_does_not_break_the_worker(target, eagle_
 
 def test_sd_with_an_eagle_draft_is_exact(target, monkeypatch):
     from saguaro.engine import decoders
-    from test_exactness import decoder_tv, residual_is_p
+    from test_exactness import residual_is_p, sampled, sd_pvalue
 
-    observed, bound = decoder_tv(target, tiny_eagle(), 1.0)
-    assert observed < bound
+    assert sd_pvalue(target, tiny_eagle(), sampled(1.0)) > ALPHA
     monkeypatch.setattr(decoders, "verify", residual_is_p)  # a broken acceptance rule must show
-    observed, bound = decoder_tv(target, tiny_eagle(), 1.0)
-    assert observed > bound
+    assert sd_pvalue(target, tiny_eagle(), sampled(1.0)) < ALPHA
