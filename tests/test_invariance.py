@@ -72,6 +72,21 @@ def test_logits_do_not_depend_on_what_shares_the_pass(models, prompts, dtype):
     assert positions_that_differ(model, prompts) == 0
 
 
+def test_invariant_kernels_compute_what_the_library_kernels_do(models, prompts):
+    """Same model, same numbers up to rounding: the fp32 logits of a batched, masked prefill and of
+    one-token steps agree with invariance off (which test_parity holds to transformers)."""
+    model = models[torch.float32]
+    logits = {}
+    for on in (False, True):
+        model.set_batch_invariant(on)
+        tokens, step_logits = greedy_steps(model, prompts[0])
+        cache = new_cache(model, 2, 1024)
+        hidden = forward_chunks(model, cache, [0, 1], [prompts[0], prompts[1]], [0, 0])
+        logits[on] = torch.cat([step_logits, model.logits(hidden[0, :len(prompts[0])])])
+    model.set_batch_invariant(True)
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
+
+
 def test_control_library_kernels_round_by_shape(models, prompts):
     model = models[torch.bfloat16]
     model.set_batch_invariant(False)
