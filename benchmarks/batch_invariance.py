@@ -81,7 +81,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
-    cost(args) if args.what == "cost" else agreement(args)
+    if args.what == "cost":
+        cost(args)
+    else:
+        agreement(args)
 
 
 if __name__ == "__main__":
