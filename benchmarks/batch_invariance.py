@@ -16,7 +16,7 @@ import time
 import torch
 
 from saguaro import LLM, SamplingParams
-from saguaro.engine.decoders import new_cache
+from saguaro.models.kv_cache import new_cache
 from saguaro.engine.runner import forward_chunks
 from saguaro.models import hub
 from saguaro.models.loader import load_model, resolve_dtype

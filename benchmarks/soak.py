@@ -30,7 +30,7 @@ import httpx
 from saguaro.datasets import sharegpt_first_turns
 from serve_load import launch, scrape, stop
 
-WORKER_MODULE = "saguaro.draft.worker"
+WORKER_MODULE = "saguaro.speculation.worker"
 MAX_RSS_GROWTH = 0.05
 BODY_LIMIT = 1 << 20  # saguaro serve's default --max-body-bytes
 

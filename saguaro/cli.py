@@ -5,37 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from saguaro.config import add_speculative_arguments, speculative_config_from_args
+from saguaro.llm import add_llm_arguments, llm_from_args
 from saguaro.models import hub
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model")
-    group.add_argument("--model", default=hub.DEFAULT_MODEL, help="a known name or a checkpoint path (default: %(default)s)")
-    group.add_argument("--draft", help="draft model for speculative decoding: a known name or a checkpoint path")
-    group.add_argument("--method", choices=["ar", "sd", "ssd"],
-                       help="ar, sd (draft in this process) or ssd (draft in its own process) "
-                            "(default: sd with --draft, else ar)")
-    group.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per round (default: %(default)s)")
-    group.add_argument("--dtype", default="auto", help="auto (bf16), bf16, fp16 or fp32 (default: %(default)s)")
-    group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
-    group.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    group.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
-                       help="each position's logits independent of what shares its pass, so greedy SD/SSD "
-                            "equal AR in every dtype (default: on)")
-    group.add_argument("--prompt-lookup", type=int, metavar="N", default=2,
-                       help="SD and SSD: where the last N tokens occurred earlier in the text, speculate what "
-                            "followed them instead of drafting; 0 turns it off (default: %(default)s)")
-    ssd = parser.add_argument_group("SSD (--method ssd)")
-    ssd.add_argument("--fan-out", default="geometric",
-                     help="geometric, uniform, or K+1 comma-separated counts of cached bonus tokens per "
-                          "accepted length (default: %(default)s)")
-    ssd.add_argument("--fan-out-budget", type=int, default=16, help="branches per request (default: %(default)s)")
-    ssd.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro sampling constant C, 1 = off (default: %(default)s)")
-    ssd.add_argument("--backup", choices=["auto", "neural", "fast"], default="auto",
-                     help="speculation on a cache miss (default: %(default)s, by batch size)")
-    ssd.add_argument("--draft-device", default="cpu", help="the draft worker's device (default: %(default)s)")
-    ssd.add_argument("--draft-address", help="HOST:PORT to await a worker started elsewhere "
-                                             "(python -m saguaro.draft.worker --connect HOST:PORT)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,12 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompts", nargs="*", metavar="PROMPT")
     generate.add_argument("--file", type=Path, help="read prompts from a file, one per line")
     generate.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
-    add_model_arguments(generate)
+    add_llm_arguments(generate)
     add_sampling_arguments(generate)
 
     chat = commands.add_parser("chat", help="interactive chat (type /exit to leave, /reset to start over)")
     chat.add_argument("--system", help="system prompt")
-    add_model_arguments(chat)
+    add_llm_arguments(chat)
     add_sampling_arguments(chat)
 
     # Its own parser (saguaro.distill.cli) takes the remaining arguments, so it loads only when used.
@@ -74,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="AR, SD, SSD and transformers side by side "
                                 "(writes bench.json, bench.md and plots)")
     bench.add_argument("--model", default=hub.DEFAULT_MODEL)
-    bench.add_argument("--draft", help="default: the model's shipped draft")
     bench.add_argument("--methods", default="ar,sd,ssd,hf,hf-assisted",
                        help="of ar, sd, ssd, hf (transformers generate), hf-assisted (with the draft as assistant)")
     bench.add_argument("--datasets", default="humaneval", help="of humaneval, sharegpt (held-out first turns), random")
@@ -82,35 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--temperatures", default="0,0.7,1.0")
     bench.add_argument("--batch-sizes", default="1,4,8")
-    bench.add_argument("-k", "--num-speculative-tokens", type=int, default=5)
-    bench.add_argument("--fan-out", default="geometric")
-    bench.add_argument("--fan-out-budget", type=int, default=16)
     bench.add_argument("--fan-out-sweep", default="", help="also: SSD hit rate for these uniform fan-outs, e.g. 1,2,4,8")
-    bench.add_argument("--prompt-lookup", type=int, metavar="N", default=2,
-                       help="SD and SSD speculate earlier text after an N-token match; 0: off (default: %(default)s)")
-    bench.add_argument("--saguaro-c", type=float, default=1.0)
-    bench.add_argument("--backup", choices=["auto", "neural", "fast"], default="auto")
     bench.add_argument("--dtype", default="bfloat16")
     bench.add_argument("--no-chat-template", action="store_true", help="raw prompts (default: chat template applied)")
     bench.add_argument("--no-ignore-eos", action="store_true", help="stop at end-of-sequence (default: decode max tokens)")
     bench.add_argument("--quick", action="store_true",
                        help="smoke run: 2 prompts x 16 tokens, T 0 and 0.7, batch 1 and 2, fan-outs 1,2 (under 3 min)")
     bench.add_argument("--out", type=Path, default=Path("bench_out"))
+    add_speculative_arguments(bench, exclude=("method",))
     commands.add_parser("serve", add_help=False,
                         help="serve a model over an OpenAI-compatible HTTP API (saguaro serve --help)")
     return parser
-
-
-def make_llm(args: argparse.Namespace):
-    from saguaro import LLM
-
-    method = args.method or ("sd" if args.draft else "ar")
-    fan_out = args.fan_out if args.fan_out in ("geometric", "uniform") else [int(f) for f in args.fan_out.split(",")]
-    return LLM(args.model, draft=args.draft, method=method, num_speculative_tokens=args.num_speculative_tokens,
-               device=args.device, dtype=args.dtype, num_threads=args.threads, fan_out=fan_out,
-               fan_out_budget=args.fan_out_budget, saguaro_c=args.saguaro_c, backup=args.backup,
-               draft_device=args.draft_device, draft_address=args.draft_address, prompt_lookup=args.prompt_lookup,
-               batch_invariant=args.batch_invariant)
 
 
 def sampling_params(args: argparse.Namespace):
@@ -148,17 +101,15 @@ def run_bench(args: argparse.Namespace) -> int:
     from saguaro.bench import report
 
     numbers = lambda text, kind: [kind(x) for x in text.split(",") if x]  # noqa: E731
-    fan_out = args.fan_out if args.fan_out in ("geometric", "uniform") else numbers(args.fan_out, int)
-    config = bench.BenchConfig(
-        model=args.model, draft=args.draft, methods=args.methods.split(","), datasets=args.datasets.split(","),
-        num_prompts=args.num_prompts, max_tokens=args.max_tokens, temperatures=numbers(args.temperatures, float),
-        batch_sizes=numbers(args.batch_sizes, int), num_speculative_tokens=args.num_speculative_tokens,
-        fan_out=fan_out, fan_out_budget=args.fan_out_budget, fan_out_sweep=numbers(args.fan_out_sweep, int),
-        saguaro_c=args.saguaro_c, backup=args.backup, dtype=args.dtype, chat_template=not args.no_chat_template,
-        ignore_eos=not args.no_ignore_eos, prompt_lookup=args.prompt_lookup)
+    bench_config = bench.BenchConfig(
+        model=args.model, speculative=speculative_config_from_args(args), methods=args.methods.split(","),
+        datasets=args.datasets.split(","), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+        temperatures=numbers(args.temperatures, float), batch_sizes=numbers(args.batch_sizes, int),
+        fan_out_sweep=numbers(args.fan_out_sweep, int), dtype=args.dtype, chat_template=not args.no_chat_template,
+        ignore_eos=not args.no_ignore_eos)
     if args.quick:
-        config = bench.quick(config)
-    result = bench.run(config, args.out)
+        bench_config = bench.quick(bench_config)
+    result = bench.run(bench_config, args.out)
     print(report.markdown(result))
     print(f"written to {args.out}/")
     return 0
@@ -169,7 +120,7 @@ def run_generate(args: argparse.Namespace) -> None:
     if not prompts:
         raise ValueError("no prompt: give one or more PROMPT arguments or --file")
     params = sampling_params(args)  # checked before the model loads
-    llm = make_llm(args)
+    llm = llm_from_args(args)
     inputs = [[{"role": "user", "content": p}] if args.chat else p for p in prompts]
     single = len(inputs) == 1
     outputs = llm.generate(inputs, params, use_tqdm=not single, on_token=stream if single else None)
@@ -185,7 +136,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
 def run_chat(args: argparse.Namespace) -> None:
     params = sampling_params(args)
-    llm = make_llm(args)
+    llm = llm_from_args(args)
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
     print("saguaro chat: /exit to leave, /reset to start over", file=sys.stderr)

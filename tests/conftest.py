@@ -17,7 +17,7 @@ def smollm2_path():
 
 @pytest.fixture(scope="session")
 def llm():
-    """The embedded default target in fp32, where greedy near-ties are rare (SSD_NOTES §7)."""
+    """The embedded default target in fp32, where greedy near-ties are rare (docs/DESIGN.md, section 4)."""
     from saguaro import LLM
 
     return LLM("smollm2", dtype="float32")

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.engine import decoders
 from saguaro.engine.runner import forward_chunks
 from saguaro.engine.sampler import SamplingParams, WarpParams, warp
 from saguaro.engine.verify import verify
+from saguaro.models.kv_cache import new_cache
 from saguaro.models.llama import LlamaModel
 
 
@@ -63,7 +63,7 @@ def teacher_forced_pit(model: LlamaModel, prompts: list[list[int]], outputs: lis
     for start in range(0, len(sampled), rows_per_pass):
         batch = sampled[start:start + rows_per_pass]
         chunks = [prompts[i] + outputs[i][:-1] for i in batch]
-        cache = decoders.new_cache(model, len(batch), max(len(c) for c in chunks))
+        cache = new_cache(model, len(batch), max(len(c) for c in chunks))
         hidden = forward_chunks(model, cache, list(range(len(batch))), chunks, [0] * len(batch))
         index = [(row, len(prompts[i]) - 1 + t) for row, i in enumerate(batch) for t in range(len(outputs[i]))]
         rows, positions = torch.tensor(index).T

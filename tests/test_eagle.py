@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from saguaro.draft.client import InProcessDraft, WorkerConfig
-from saguaro.engine.decoders import ARDecoder, SDDecoder
-from saguaro.engine.kv_cache import KVCache
+from drafts import InProcessDraft, sd_decoder, worker_config
+from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
-from saguaro.engine.ssd import SSDDecoder
 from saguaro.models.config import ModelConfig
 from saguaro.models.eagle import EagleDraft
+from saguaro.models.kv_cache import KVCache
 from saguaro.models.loader import load_checkpoint
+from saguaro.speculation.ssd import SSDDecoder
 from test_exactness import TINY_V, tiny_model
 from test_ssd import ALPHA, NO_CANDIDATES, SSD_K, decode_all, saved_draft, ssd_pvalue
 
@@ -73,16 +73,16 @@ def proposals_match(target, draft, seqs, proposed, features_from_target=True) ->
 
 def test_sd_drafts_from_the_targets_hidden_states(target):
     draft = tiny_eagle()
-    decoder = SDDecoder(target, draft, K)
+    decoder = sd_decoder(target, draft, K)
     proposed = []
-    propose = decoder.propose
+    propose = decoder.drafter.propose
 
     def recording(seqs):
-        tokens, probs = propose(seqs)
-        proposed.extend((s.seq_id, len(s), t) for s, t in zip(seqs, tokens[:, 0].tolist()))
-        return tokens, probs
+        proposal = propose(seqs)
+        proposed.extend((s.seq_id, len(s), t) for s, t in zip(seqs, proposal.tokens[:, 0].tolist()))
+        return proposal
 
-    decoder.propose = recording
+    decoder.drafter.propose = recording
     seqs = greedy(decoder)
     assert [s.output_ids for s in seqs] == [s.output_ids for s in greedy(ARDecoder(target))]
     assert len(proposed) > len(PROMPTS) * 3
@@ -93,7 +93,7 @@ def test_sd_drafts_from_the_targets_hidden_states(target):
 def test_ssd_worker_gets_the_targets_hidden_states(target, eagle_dir):
     """Every round misses (nothing cached), so each speculation is the neural backup's,
     drafted after the committed text from the features the target sent."""
-    client = InProcessDraft(WorkerConfig(str(eagle_dir), "float32", SSD_K, NO_CANDIDATES, 1.0), None)
+    client = InProcessDraft(worker_config(str(eagle_dir), "float32", SSD_K, NO_CANDIDATES, 1.0), None)
     assert client.ready.reads_features
     decoder = SSDDecoder(target, client, backup="neural")
     proposed = []
@@ -123,7 +123,7 @@ def test_ssd_worker_gets_the_targets_hidden_states(target, eagle_dir):
 @pytest.mark.parametrize("backup", ["neural", "fast"])
 def test_ssd_with_an_eagle_draft_equals_ar_when_greedy(target, eagle_dir, backup):
     fan_out = [TINY_V - 1] * (K + 1)  # every outcome cached: every round after the first hits
-    decoder = SSDDecoder(target, InProcessDraft(WorkerConfig(str(eagle_dir), "float32", K, fan_out, 1.0), None), backup)
+    decoder = SSDDecoder(target, InProcessDraft(worker_config(str(eagle_dir), "float32", K, fan_out, 1.0), None), backup)
     seqs = greedy(decoder)
     assert [s.output_ids for s in seqs] == [s.output_ids for s in greedy(ARDecoder(target))]
     assert decoder.stats.hit_lengths and not decoder.stats.miss_lengths[backup]
@@ -136,9 +136,9 @@ def test_ssd_with_an_eagle_draft_is_exact(target, eagle_dir, path):
 
 
 def test_features_cross_the_wire_to_a_worker_process(target, eagle_dir):
-    from saguaro.draft.client import DraftClient
+    from saguaro.speculation.client import DraftClient
 
-    config = WorkerConfig(str(eagle_dir), "float32", K, [TINY_V - 1] * (K + 1), timeout_s=30)
+    config = worker_config(str(eagle_dir), "float32", K, [TINY_V - 1] * (K + 1), timeout_s=30)
     decoder = SSDDecoder(target, DraftClient(config, None), backup="neural")
     try:
         assert [s.output_ids for s in greedy(decoder)] == [s.output_ids for s in greedy(ARDecoder(target))]
@@ -149,7 +149,7 @@ def test_features_cross_the_wire_to_a_worker_process(target, eagle_dir):
 
 def test_a_request_that_ends_at_prefill_does_not_break_the_worker(target, eagle_dir):
     """The worker still registers it, and needs the target's hidden states to do so."""
-    decoder = SSDDecoder(target, InProcessDraft(WorkerConfig(str(eagle_dir), "float32", K, [1] * (K + 1), 1.0), None))
+    decoder = SSDDecoder(target, InProcessDraft(worker_config(str(eagle_dir), "float32", K, [1] * (K + 1), 1.0), None))
     seqs = [Sequence(i, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), [])
             for i, (p, n) in enumerate(zip(PROMPTS, (1, 12, 12)))]
     decoder.reserve(len(seqs), 64)

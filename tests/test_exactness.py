@@ -12,13 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafts import sd_decoder
 from saguaro.engine import decoders
-from saguaro.engine.decoders import SDDecoder
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.verify import verify, verify_greedy
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel
+from saguaro.speculation import drafters
 from stats import MisreportedProposal, ks_pvalue, randomized_pit, teacher_forced_pit
 
 # A test of an exact decoder fails with this probability (its KS p-value falls below it by
@@ -217,7 +218,7 @@ def tiny_prompts(rows: int) -> list[list[int]]:
 def sd_outputs(target: LlamaModel, draft: LlamaModel, params: list[SamplingParams],
                prompt_lookup: int | None = None) -> list[list[int]]:
     """One sequence per params, decoded together by SDDecoder, each with its own seed."""
-    decoder = SDDecoder(target, draft, TINY_K, prompt_lookup)
+    decoder = sd_decoder(target, draft, TINY_K, prompt_lookup)
     seqs = [Sequence(i, prompt, p, []) for i, (prompt, p) in enumerate(zip(tiny_prompts(len(params)), params))]
     decoder.reserve(len(seqs), len(PROMPT) + 1 + NEW + decoder.lookahead)
     decoder.prefill(seqs)
@@ -257,7 +258,9 @@ def test_sd_decoder_is_exact_with_prompt_lookup(target, draft):
 
 def test_prompt_lookup_check_catches_a_misreported_proposal(target, draft, monkeypatch):
     """Lookups reported as uniform proposals instead of the point masses they are."""
-    monkeypatch.setattr(decoders, "point_masses", lambda tokens, v: torch.full((*tokens.shape, v), 1.0 / v))
+    uniform = lambda tokens, v: torch.full((*tokens.shape, v), 1.0 / v)  # noqa: E731
+    monkeypatch.setattr(decoders, "point_masses", uniform)
+    monkeypatch.setattr(drafters, "point_masses", uniform)
     assert sd_pvalue(target, draft, sampled(1.0), prompt_lookup=1) < ALPHA
 
 

@@ -18,7 +18,7 @@ import torch
 import transformers
 from transformers.utils import logging
 
-from saguaro.engine.kv_cache import KVCache
+from saguaro.models.kv_cache import KVCache
 from saguaro.models.config import UnsupportedModelError
 from saguaro.models.loader import load_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from saguaro.engine.kv_cache import KVCache, as_slice
+from saguaro.models.kv_cache import KVCache, as_slice
 from saguaro.engine.runner import forward_chunks
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel

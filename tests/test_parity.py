@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from saguaro.engine.kv_cache import KVCache
+from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel
 from saguaro.models.loader import load_model
 

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from saguaro import SamplingParams
-from saguaro.engine.scheduler import QueueFull, Request, Scheduler, ShuttingDown, Update
+from saguaro.engine.loop import Engine
 from saguaro.engine.sequence import Sequence
+from saguaro.server.scheduler import QueueFull, Request, Scheduler, ShuttingDown, Update
 
 CONTEXT = 64
 
@@ -62,6 +63,7 @@ class StandInLLM:
 
     def __init__(self):
         self.decoder = CountingDecoder()
+        self.engine = Engine(self.decoder)
         self.target = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT))
         self._ids = itertools.count()
 

@@ -275,7 +275,7 @@ def test_disconnect_mid_stream_frees_the_slot(ar_server, http):
         wait_until(lambda: metric(ar_server.url, "requests_running") == 1)
     wait_until(lambda: metric(ar_server.url, "requests_running") == 0)
     assert metric(ar_server.url, 'requests_total{reason="cancelled"}') == cancelled + 1
-    assert ar_server.llm.decoder.rows == {}  # its KV cache row is free
+    assert ar_server.llm.decoder.rows.of == {}  # its KV cache row is free
     assert http.post("/v1/completions", json=GOOD).status_code == 200
 
 
@@ -287,7 +287,7 @@ def test_disconnect_while_waiting_for_a_whole_completion_frees_the_slot(ar_serve
                    timeout=httpx.Timeout(30, read=1.0))
     wait_until(lambda: metric(ar_server.url, 'requests_total{reason="cancelled"}') == cancelled + 1)
     wait_until(lambda: metric(ar_server.url, "requests_running") == 0)
-    assert ar_server.llm.decoder.rows == {}
+    assert ar_server.llm.decoder.rows.of == {}
 
 
 # --- SSD: continuous batching with a draft worker, a full queue, losing the worker ------------------

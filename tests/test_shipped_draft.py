@@ -3,7 +3,7 @@ import dataclasses
 
 import torch
 
-from saguaro.engine.kv_cache import KVCache
+from saguaro.models.kv_cache import KVCache
 from saguaro.models import hub, loader
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel

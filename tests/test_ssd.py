@@ -19,15 +19,17 @@ import torch
 
 from conftest import NEW_TOKENS
 from saguaro import SamplingParams
-from saguaro.draft import speculator
-from saguaro.draft.client import DraftClient, InProcessDraft, WorkerConfig
-from saguaro.draft.speculator import saguaro_sigma
+from drafts import InProcessDraft, worker_config
 from saguaro.engine import decoders
+from saguaro.engine.loop import Engine
 from saguaro.engine.sequence import Sequence
-from saguaro.engine.ssd import SSDDecoder, SSDStats
 from saguaro.models import hub
 from saguaro.models.llama import scatter_to_vocab
 from saguaro.models.loader import save_checkpoint
+from saguaro.speculation import speculator
+from saguaro.speculation.client import DraftClient
+from saguaro.speculation.speculator import saguaro_sigma
+from saguaro.speculation.ssd import SSDDecoder, SSDStats
 from stats import MisreportedProposal, ks_pvalue, sharpen, teacher_forced_pit
 from test_exactness import ALPHA, PROMPT, REDUCED_HEAD, TINY_V, residual_is_p, tiny_model
 
@@ -89,7 +91,7 @@ def decode_all(decoder, seqs: list[Sequence]) -> None:
 def ssd_pvalue(target, draft_dir, temperature: float, path: str) -> tuple[float, SSDDecoder]:
     """The KS p-value of ROWS continuations decoded in-process along `path` (tests/stats.py)."""
     fan_out, backup, c, prompt_lookup = PATHS[path]
-    client = InProcessDraft(WorkerConfig(str(draft_dir), "float32", SSD_K, fan_out, c, prompt_lookup=prompt_lookup),
+    client = InProcessDraft(worker_config(str(draft_dir), "float32", SSD_K, fan_out, c, prompt_lookup=prompt_lookup),
                             None)
     decoder = SSDDecoder(target, client, backup)
     params = [SamplingParams(temperature=temperature, max_tokens=NEW, seed=i) for i in range(ROWS)]
@@ -125,7 +127,7 @@ def test_ssd_check_catches_a_broken_acceptance_rule(tiny_target, tiny_draft_dir,
 def test_ssd_check_catches_lookups_reported_as_other_proposals(tiny_target, tiny_draft_dir, monkeypatch):
     uniform = lambda tokens, v: torch.full((*tokens.shape, v), 1.0 / v)  # noqa: E731
     monkeypatch.setattr(decoders, "point_masses", uniform)
-    monkeypatch.setattr("saguaro.engine.ssd.point_masses", uniform)
+    monkeypatch.setattr("saguaro.speculation.ssd.point_masses", uniform)
     pvalue, _ = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "lookup")
     assert pvalue < ALPHA
 
@@ -153,7 +155,7 @@ def test_ssd_is_exact_with_a_reduced_draft_head(tiny_target, reduced_draft_dir, 
 
 def test_ssd_check_catches_draft_distributions_placed_on_the_wrong_tokens(tiny_target, reduced_draft_dir,
                                                                            monkeypatch):
-    from saguaro.engine import ssd
+    from saguaro.speculation import ssd
 
     def sorted_map(probs, token_ids, vocab_size, fill=0.0):
         return scatter_to_vocab(probs, token_ids.sort().values, vocab_size, fill)
@@ -198,7 +200,7 @@ def sampled_params() -> list[SamplingParams]:
 
 def worker_outputs(target, draft_dir, params: list[SamplingParams]) -> tuple[list[list[int]], SSDStats]:
     """One batch decoded by SSD with its draft in a worker process."""
-    config = WorkerConfig(str(draft_dir), "float32", WORKER_K, WORKER_FAN_OUT, timeout_s=300)
+    config = worker_config(str(draft_dir), "float32", WORKER_K, WORKER_FAN_OUT, timeout_s=300)
     decoder = SSDDecoder(target, DraftClient(config, None), "neural")
     try:
         seqs = [Sequence(i, prompt, p, []) for i, (prompt, p) in enumerate(zip(worker_prompts(), params))]
@@ -261,9 +263,9 @@ def test_worker_check_catches_a_bias_of_two_percent(tiny_target, peaked_draft_di
 # --- the real model and a real worker process ---------------------------------------------------
 
 def ssd_decoder(llm, draft_dir, backup: str, budget: int = 4, prompt_lookup: int | None = None) -> SSDDecoder:
-    from saguaro.draft.fanout import uniform_fan_out
+    from saguaro.speculation.planning import uniform_fan_out
 
-    config = WorkerConfig(str(draft_dir), "float32", 4, uniform_fan_out(budget, 4), cpus=None, timeout_s=60,
+    config = worker_config(str(draft_dir), "float32", 4, uniform_fan_out(budget, 4), cpus=None, timeout_s=60,
                           prompt_lookup=prompt_lookup)
     client = DraftClient(config, llm.target.embed_tokens.weight.detach())
     return SSDDecoder(llm.target, client, backup)
@@ -272,18 +274,18 @@ def ssd_decoder(llm, draft_dir, backup: str, budget: int = 4, prompt_lookup: int
 @pytest.fixture
 def with_ssd(llm):
     """Swaps the shared LLM's decoder for an SSD one and restores it afterwards."""
-    ar_decoder = llm.decoder
+    ar_engine = llm.engine
     made = []
 
     def install(decoder):
         made.append(decoder)
-        llm.decoder = decoder
+        llm.engine = Engine(decoder)
         return llm
 
     yield install
     for decoder in made:
         decoder.close()
-    llm.decoder = ar_decoder
+    llm.engine = ar_engine
 
 
 @pytest.mark.parametrize("backup", ["neural", "fast"])
@@ -392,8 +394,8 @@ def greedy_tiny(decoder, count: int = 3) -> list[list[int]]:
     return [s.output_ids for s in seqs]
 
 
-def tiny_worker_config(draft_dir, address: str | None = None) -> WorkerConfig:
-    return WorkerConfig(str(draft_dir), "float32", 2, [1, 1, 1], address=address, timeout_s=30)
+def tiny_worker_config(draft_dir, address: str | None = None):
+    return worker_config(str(draft_dir), "float32", 2, [1, 1, 1], address=address, timeout_s=30)
 
 
 def test_two_engines_share_a_host_and_leave_no_process(tiny_target, tiny_draft_dir):
@@ -416,7 +418,7 @@ def test_a_worker_started_elsewhere_attaches_by_address(tiny_target, tiny_draft_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    worker = subprocess.Popen([sys.executable, "-m", "saguaro.draft.worker", "--connect", f"127.0.0.1:{port}"])
+    worker = subprocess.Popen([sys.executable, "-m", "saguaro.speculation.worker", "--connect", f"127.0.0.1:{port}"])
     try:
         engine = SSDDecoder(tiny_target, DraftClient(tiny_worker_config(tiny_draft_dir, f"127.0.0.1:{port}"), None))
         assert engine.client.process is None and engine.client.ready.pid == worker.pid
@@ -436,7 +438,7 @@ def test_a_worker_attached_by_address_is_awaited_again_after_a_loss(tiny_target,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    start_worker = lambda: subprocess.Popen([sys.executable, "-m", "saguaro.draft.worker",  # noqa: E731
+    start_worker = lambda: subprocess.Popen([sys.executable, "-m", "saguaro.speculation.worker",  # noqa: E731
                                              "--connect", f"127.0.0.1:{port}"])
     reference = greedy_tiny(decoders.ARDecoder(tiny_target))
     workers = [start_worker()]

@@ -19,36 +19,35 @@ import torch
 from tqdm import tqdm
 
 from saguaro.bench import peers, report
-from saguaro.engine.decoders import ARDecoder, SDDecoder
+from saguaro.config import METHODS as SPECULATIVE_METHODS, SpeculativeConfig
+from saguaro.engine.decoders import ARDecoder
+from saguaro.engine.loop import Engine
 from saguaro.engine.sampler import SamplingParams
-from saguaro.engine.ssd import SSDStats
 from saguaro.llm import LLM
 from saguaro.models import hub
 from saguaro.models.loader import load_draft
+from saguaro.speculation.build import draft_path, sd_drafter
+from saguaro.speculation.sd import SDDecoder
+from saguaro.speculation.ssd import SSDStats
 
-METHODS = ("ar", "sd", "ssd", "hf", "hf-assisted")
+METHODS = (*SPECULATIVE_METHODS, "hf", "hf-assisted")
 DATASETS = ("humaneval", "sharegpt", "random")
 
 
 @dataclass
 class BenchConfig:
     model: str = hub.DEFAULT_MODEL
-    draft: str | None = None  # default: the shipped draft of the model
+    # the draft and how SD and SSD speculate (its method is ignored: see methods)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     datasets: list[str] = field(default_factory=lambda: ["humaneval"])
     num_prompts: int = 10
     max_tokens: int = 128
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
-    num_speculative_tokens: int = 5
-    fan_out: str | list[int] = "geometric"
-    fan_out_budget: int = 16
     fan_out_sweep: list[int] = field(default_factory=list)  # uniform fan-outs whose hit rate is measured
-    saguaro_c: float = 1.0
-    backup: str = "auto"
     dtype: str = "bfloat16"
     chat_template: bool = True
-    prompt_lookup: int | None = 2  # SD and SSD: speculate earlier text after an N-token match
     ignore_eos: bool = True  # every request decodes max_tokens: equal work for every method
     seed: int = 0
 
@@ -87,22 +86,21 @@ def bench_prompts(llm: LLM, dataset: str, config: BenchConfig) -> list[list[int]
 def build_engines(llm: LLM, config: BenchConfig) -> dict:
     """name -> generate(prompts, params) -> per-request records. One saguaro target is shared by
     AR, SD and SSD (whose decoder is the LLM's own: it owns the worker)."""
-    draft_path = hub.resolve(config.draft) if config.draft else hub.default_draft(config.model)
+    spec = config.speculative
     needs_draft = {"sd", "hf-assisted"} & set(config.methods)
-    draft = load_draft(draft_path, llm.target) if needs_draft else None
+    draft = load_draft(draft_path(spec, config.model), llm.target) if needs_draft else None
     decoders = {"ar": ARDecoder(llm.target) if "ar" in config.methods else None,
-                "sd": SDDecoder(llm.target, draft, config.num_speculative_tokens, config.prompt_lookup)
-                if "sd" in config.methods else None,
+                "sd": SDDecoder(llm.target, sd_drafter(draft, spec)) if "sd" in config.methods else None,
                 "ssd": llm.decoder if "ssd" in config.methods else None}
 
-    def saguaro_engine(decoder):
+    def saguaro_engine(engine: Engine):
         def generate(prompts, params):
-            llm.decoder = decoder
+            llm.engine = engine
             outputs = llm.generate(prompts, params, use_tqdm=False)
             return [asdict(out.metrics) for out in outputs]
         return generate
 
-    engines = {name: saguaro_engine(d) for name, d in decoders.items() if d is not None}
+    engines = {name: saguaro_engine(Engine(d)) for name, d in decoders.items() if d is not None}
     assisted = "hf-assisted" in config.methods
     if assisted and draft.reads_features:
         warnings.warn("hf-assisted skipped: transformers' assisted generation cannot run an EAGLE draft, "
@@ -116,7 +114,7 @@ def build_engines(llm: LLM, config: BenchConfig) -> dict:
             if name in config.methods and (name == "hf" or assisted):
                 engines[name] = lambda prompts, params, helper=helper: [
                     {k: v for k, v in r.items() if k != "token_ids"}
-                    for r in peers.generate(hf_target, prompts, params, pad_id, helper, config.num_speculative_tokens)]
+                    for r in peers.generate(hf_target, prompts, params, pad_id, helper, spec.num_speculative_tokens)]
     return {name: engines[name] for name in config.methods if name in engines}
 
 
@@ -129,14 +127,12 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
     if out_dir is not None:
         report.require_matplotlib()
     torch.manual_seed(config.seed)
-    saguaro_methods = [m for m in config.methods if m in ("ar", "sd", "ssd")]
+    saguaro_methods = [m for m in config.methods if m in SPECULATIVE_METHODS]
     method = "ssd" if "ssd" in saguaro_methods else "sd" if "sd" in saguaro_methods else "ar"
-    llm = LLM(config.model, draft=config.draft, method=method, num_speculative_tokens=config.num_speculative_tokens,
-              dtype=config.dtype, fan_out=config.fan_out, fan_out_budget=config.fan_out_budget,
-              saguaro_c=config.saguaro_c, backup=config.backup,
-              prompt_lookup=config.prompt_lookup)
+    llm = LLM(config.model, replace(config.speculative, method=method), dtype=config.dtype)
     if method != "ssd":
         torch.set_num_threads(1)
+    llm_engine = llm.engine  # SSD's own: it owns the worker, which close() stops
     ssd_decoder = llm.decoder if method == "ssd" else None
     steps = [(d, t, b, i) for d in config.datasets for t in config.temperatures for b in config.batch_sizes
              for i in range(0, config.num_prompts, b)]
@@ -166,11 +162,11 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
                     bar.update()
                 if start + batch >= config.num_prompts and ssd_decoder is not None:
                     engine_stats[report.key(dataset, temperature, batch)] = ssd_decoder.stats.summary()
-            llm.decoder = ssd_decoder or llm.decoder
+            llm.engine = llm_engine
             llm.close()  # the sweep's worker needs the draft core now; closing again below is a no-op
             sweep = fan_out_sweep(config, prompts[config.datasets[0]], bar) if config.fan_out_sweep else None
     finally:
-        llm.decoder = ssd_decoder or llm.decoder
+        llm.engine = llm_engine
         llm.close()
     result = {"config": asdict(config), "environment": environment(), "records": records,
               "ssd_engine": engine_stats, "fan_out_sweep": sweep,
@@ -184,17 +180,15 @@ def fan_out_sweep(config: BenchConfig, prompts: list[list[int]], bar: tqdm | Non
                   temperature: float = 0.0) -> dict:
     """SSD's cache hit rate against a uniform fan-out F (F candidates per accepted length,
     batch 1), and the power law 1 - p_hit = F^-r fitted to it (Definition 11)."""
-    from saguaro.draft.fanout import fit_power_law
+    from saguaro.speculation.planning import fit_power_law
 
-    fan_outs = config.fan_out_sweep
-    llm = LLM(config.model, draft=config.draft, method="ssd", num_speculative_tokens=config.num_speculative_tokens,
-              dtype=config.dtype, fan_out=[max(fan_outs)] * (config.num_speculative_tokens + 1),
-              saguaro_c=config.saguaro_c, backup=config.backup,
-              prompt_lookup=config.prompt_lookup)
+    fan_outs, k = config.fan_out_sweep, config.speculative.num_speculative_tokens
+    llm = LLM(config.model, replace(config.speculative, method="ssd", fan_out=[max(fan_outs)] * (k + 1)),
+              dtype=config.dtype)
     points = []
     try:
         for f in fan_outs:
-            llm.decoder.set_fan_out([f] * (config.num_speculative_tokens + 1))
+            llm.decoder.set_fan_out([f] * (k + 1))
             llm.decoder.stats = SSDStats()
             params = SamplingParams(temperature=temperature, max_tokens=config.max_tokens,
                                     ignore_eos=config.ignore_eos, seed=config.seed)

@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.draft.fanout import acceptance_rate
-from saguaro.engine.decoders import SDDecoder
-from saguaro.engine.kv_cache import KVCache
+from saguaro.speculation.planning import acceptance_rate
+from saguaro.models.kv_cache import KVCache
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models.llama import LlamaModel
+from saguaro.speculation.drafters import model_drafter
+from saguaro.speculation.sd import SDDecoder
 
 
 @dataclass
@@ -40,7 +41,7 @@ def speculate(target: LlamaModel, draft: LlamaModel, prompt: list[int], k: int, 
               new_tokens: int, eos_ids: set[int], seed: int) -> list[int]:
     """Speculative decoding of one prompt with the engine's SD decoder; returns the acceptance
     length of every round."""
-    decoder = SDDecoder(target, draft, k)
+    decoder = SDDecoder(target, model_drafter(draft, k))
     seq = Sequence(0, prompt, SamplingParams(temperature=temperature, max_tokens=new_tokens, seed=seed), list(eos_ids))
     decoder.reserve(1, len(prompt) + new_tokens + decoder.lookahead)
     decoder.prefill([seq])

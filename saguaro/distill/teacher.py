@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from saguaro.engine.kv_cache import KVCache
+from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel
 
 

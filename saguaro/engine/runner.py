@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from saguaro.engine.kv_cache import KVCache
+from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel
 
 

@@ -40,3 +40,8 @@ def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tu
     K = draft_tokens.shape[1]
     accepted_len = (draft_tokens == target_tokens[:, :K]).int().cumprod(-1).sum(-1)
     return accepted_len, target_tokens.gather(1, accepted_len[:, None])[:, 0]
+
+
+def point_masses(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, K] tokens -> [B, K, V] distributions with all mass on each token."""
+    return torch.zeros(*tokens.shape, vocab_size, device=tokens.device).scatter_(-1, tokens[..., None], 1.0)

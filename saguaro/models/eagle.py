@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from saguaro.engine.kv_cache import KVCache
+from saguaro.models.kv_cache import KVCache
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel, RMSNorm
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from saguaro.engine.kv_cache import KVCache, as_slice
+from saguaro.models.kv_cache import KVCache, as_slice
 from saguaro.models import invariant
 from saguaro.models.config import ModelConfig
 

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from saguaro.engine import scheduler as sched
+from saguaro.server import scheduler as sched
 from saguaro.llm import LLM
 from saguaro.server import metrics
 from saguaro.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,

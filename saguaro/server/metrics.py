@@ -1,7 +1,7 @@
 """/metrics in the Prometheus text format, from the scheduler's counters."""
 from __future__ import annotations
 
-from saguaro.engine.scheduler import TOKENS_PER_S_WINDOW_S, SchedulerStats
+from saguaro.server.scheduler import TOKENS_PER_S_WINDOW_S, SchedulerStats
 
 
 def _metric(lines: list[str], name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:

@@ -8,9 +8,9 @@ import sys
 
 import uvicorn
 
-from saguaro.engine.scheduler import Scheduler
-from saguaro.models import hub
+from saguaro.llm import add_llm_arguments, llm_from_args
 from saguaro.server.app import ServerConfig, create_app
+from saguaro.server.scheduler import Scheduler
 
 
 class Server(uvicorn.Server):
@@ -39,17 +39,7 @@ def build_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int =
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="saguaro serve", description="Serve a model over an OpenAI-compatible "
                                      "HTTP API with continuous batching.")
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", default=hub.DEFAULT_MODEL,
-                       help="a known name or a checkpoint path (default: %(default)s)")
-    model.add_argument("--draft", help="draft checkpoint for sd/ssd (default: the target's shipped draft)")
-    model.add_argument("--method", choices=("ar", "sd", "ssd"), default="ar",
-                       help="decoding method (default: %(default)s)")
-    model.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
-                       help="draft tokens per round (default: %(default)s)")
-    model.add_argument("--dtype", default="auto", help="auto (bf16), bf16, fp16 or fp32 (default: %(default)s)")
-    model.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
-    model.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    add_llm_arguments(parser, method_default="ar")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
@@ -72,11 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from saguaro import LLM
-
     try:
-        llm = LLM(args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.num_speculative_tokens,
-                  device=args.device, dtype=args.dtype, num_threads=args.threads)
+        llm = llm_from_args(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"saguaro serve: error: {e}", file=sys.stderr)
         return 1

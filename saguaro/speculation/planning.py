@@ -1,12 +1,13 @@
 """How many bonus-token candidates to cache per accepted length, and which backup to use.
 
-The formulas are the paper's (SSD_NOTES.md section 3): cache misses fall as a power law in
+The formulas are the paper's (docs/DESIGN.md, "The theory the planner uses"): cache misses fall as a power law in
 fan-out, 1 - p_hit(F) = F^-r; under a branch budget the optimal fan-out is capped geometric;
 in a batch one miss stalls everyone, which decides between the neural and the fast backup.
 """
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 
@@ -80,3 +81,22 @@ class SpeedModel:
             if self.speedup(b, "fast") > self.speedup(b, "neural"):
                 return b
         return max_batch + 1
+
+
+@dataclass
+class GeometricPlan:
+    """Re-plans a geometric fan-out from the acceptance measured so far (Theorem 12), under a
+    branch budget that keeps filling the cache within one verification."""
+    budget: int  # most branches per request
+    power_law_r: float
+    every_rounds: int = 16
+    target_t_p: float = 0.9  # cache-fill time / verification time to aim for
+
+    def fan_out(self, acceptance_lengths: list[int], k: int, budget: int) -> list[int]:
+        a = acceptance_rate(statistics.fmean(acceptance_lengths), k)
+        return geometric_fan_out(budget, k, a, self.power_law_r)
+
+    def next_budget(self, budget: int, t_p: float) -> int:
+        """Fill time grows about linearly with the branches (a larger batch means more of
+        them), so scale the budget towards target_t_p, within 1..self.budget."""
+        return max(1, min(self.budget, round(budget * self.target_t_p / max(t_p, 1e-6))))

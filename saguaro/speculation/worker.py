@@ -1,4 +1,4 @@
-"""The draft worker process: `python -m saguaro.draft.worker --connect HOST:PORT`.
+"""The draft worker process: `python -m saguaro.speculation.worker --connect HOST:PORT`.
 
 The engine starts one on this host by default; started by hand on another host (or GPU), it
 attaches to an engine that waits at the given address.
@@ -11,28 +11,28 @@ import time
 
 import torch
 
-from saguaro.draft.client import use_cores
-from saguaro.draft.protocol import (Channel, Hello, Prefill, Ready, Release, Shutdown, Speculation,
-                                    SpecRequest)
-from saguaro.draft.speculator import Speculator
 from saguaro.models.loader import is_saguaro_checkpoint, load_checkpoint, load_model, resolve_dtype
+from saguaro.speculation.client import use_cores
+from saguaro.speculation.protocol import (Channel, Hello, Prefill, Ready, Release, Shutdown, Speculation,
+                                          SpecRequest)
+from saguaro.speculation.speculator import Speculator
 
 
 def load_draft_model(hello: Hello, device: str):
-    dtype = resolve_dtype(hello.dtype)
-    if is_saguaro_checkpoint(hello.draft):
-        return load_checkpoint(hello.draft, dtype, device, embeddings=hello.embeddings)
-    return load_model(hello.draft, dtype, device)
+    dtype, path = resolve_dtype(hello.dtype), hello.speculative.draft
+    if is_saguaro_checkpoint(path):
+        return load_checkpoint(path, dtype, device, embeddings=hello.embeddings)
+    return load_model(path, dtype, device)
 
 
 class DraftServer:
-    """Turns protocol messages into speculator calls; the worker process and the in-process
-    draft (tests, debugging) share it."""
+    """Turns protocol messages into speculator calls (the worker process's loop is `serve`)."""
 
     def __init__(self, hello: Hello, device: str):
         draft = load_draft_model(hello, device)
-        self.speculator = Speculator(draft, hello.num_speculative_tokens, hello.fan_out, hello.saguaro_c,
-                                     hello.prompt_lookup, hello.incarnation)
+        spec = hello.speculative
+        self.speculator = Speculator(draft, spec.num_speculative_tokens, spec.fan_out, spec.saguaro_c,
+                                     spec.prompt_lookup, hello.incarnation)
         head = draft.head_token_ids.tolist() if draft.config.head_vocab_size is not None else None
         self.ready = Ready(vocab_size=draft.config.vocab_size, num_layers=draft.config.num_layers, pid=os.getpid(),
                            head_token_ids=head, reads_features=draft.reads_features)

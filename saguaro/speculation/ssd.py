@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.draft.client import DraftClient, replace_worker
-from saguaro.draft.fanout import SpeedModel, acceptance_rate, geometric_fan_out
-from saguaro.draft.protocol import DraftUnavailable, SpecRequest
-from saguaro.engine.decoders import ARDecoder, FeatureLog, point_masses
+from saguaro.config import BACKUPS
+from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.sequence import Sequence
+from saguaro.engine.verify import point_masses
 from saguaro.models.llama import LlamaModel, scatter_to_vocab
+from saguaro.speculation.client import DraftClient, replace_worker, use_cores
+from saguaro.speculation.drafters import FeatureLog
+from saguaro.speculation.planning import GeometricPlan, SpeedModel
+from saguaro.speculation.protocol import DraftUnavailable, SpecRequest
 
-BACKUPS = ("auto", "neural", "fast")
 EXPLORE_MISSES = 8  # misses each backup is tried on before auto trusts the speed model
 
 
@@ -67,25 +69,6 @@ class SSDStats:
         }
 
 
-@dataclass
-class GeometricPlan:
-    """Re-plans a geometric fan-out from the acceptance measured so far (Theorem 12), under a
-    branch budget that keeps filling the cache within one verification."""
-    budget: int  # most branches per request
-    power_law_r: float
-    every_rounds: int = 16
-    target_t_p: float = 0.9  # cache-fill time / verification time to aim for
-
-    def fan_out(self, acceptance_lengths: list[int], k: int, budget: int) -> list[int]:
-        a = acceptance_rate(statistics.fmean(acceptance_lengths), k)
-        return geometric_fan_out(budget, k, a, self.power_law_r)
-
-    def next_budget(self, budget: int, t_p: float) -> int:
-        """Fill time grows about linearly with the branches (a larger batch means more of
-        them), so scale the budget towards target_t_p, within 1..self.budget."""
-        return max(1, min(self.budget, round(budget * self.target_t_p / max(t_p, 1e-6))))
-
-
 class SSDDecoder(ARDecoder):
     def __init__(self, target: LlamaModel, client: DraftClient, backup: str = "auto",
                  plan: GeometricPlan | None = None):
@@ -93,18 +76,19 @@ class SSDDecoder(ARDecoder):
         if backup not in BACKUPS:
             raise ValueError(f"backup must be one of {', '.join(BACKUPS)}")
         self.client, self.backup = client, backup
-        self.k = client.config.num_speculative_tokens
+        self.k = self.num_speculative_tokens = client.config.speculative.num_speculative_tokens
         self.outcomes: dict[int, tuple[int, int] | None] = {}
         self.stats = SSDStats()
         head = client.ready.head_token_ids
         self.draft_head_ids = None if head is None else torch.tensor(head)  # rows of its distributions
         self.draft_lost = False
         self.restart: Future[DraftClient] | None = None  # the worker starting after a loss
-        if client.ready.reads_features:
-            self.features = FeatureLog()
-        self.fan_out = list(client.config.fan_out)
+        # the target's hidden states not sent yet, for an EAGLE draft
+        self.features = FeatureLog() if client.ready.reads_features else None
+        self.fan_out = list(client.config.speculative.fan_out)
         self._new_fan_out: list[int] | None = None
         self.plan = plan
+        self.cores_before: tuple[set[int], int] | None = None  # given back by close (see build.split_cores)
         self.branch_budget = plan.budget if plan else None
         self._rounds = 0
 
@@ -117,6 +101,13 @@ class SSDDecoder(ARDecoder):
     @property
     def lookahead(self) -> int:
         return self.k + 1
+
+    def keep_hidden(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        if self.features is not None:
+            self.features.add(seq.seq_id, hidden)
+
+    def metrics(self) -> dict:
+        return self.stats.summary()
 
     def prefill(self, seqs: list[Sequence]) -> None:
         super().prefill(seqs)
@@ -134,6 +125,8 @@ class SSDDecoder(ARDecoder):
         super().release(seqs)
         for seq in seqs:
             self.outcomes.pop(seq.seq_id, None)
+            if self.features is not None:
+                self.features.drop(seq.seq_id)
         if not self.draft_lost and seqs:
             try:
                 self.client.release([s.seq_id for s in seqs])
@@ -265,6 +258,10 @@ class SSDDecoder(ARDecoder):
         return True
 
     def close(self) -> None:
+        """Stops the draft worker (also done at exit) and gives back the core it had."""
         if self.restart is not None and not self.restart.cancel():
             self.restart.result().close()
         self.client.close()
+        if self.cores_before is not None:
+            use_cores(*self.cores_before)
+            self.cores_before = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from saguaro.config import SpeculativeConfig
 from saguaro.engine.sampler import SamplingParams
 
 
@@ -26,14 +27,10 @@ class DraftUnavailable(RuntimeError):
 
 @dataclass
 class Hello:
-    """Target -> worker, once: what to load and how to decode."""
-    draft: str
+    """Target -> worker, once: what to load and how to speculate."""
+    speculative: SpeculativeConfig  # draft: the checkpoint's path on the worker's host; fan_out: K+1 counts
     dtype: str
-    num_speculative_tokens: int
-    fan_out: list[int]
-    saguaro_c: float
     embeddings: torch.Tensor | None  # the target's table, for drafts that borrow it
-    prompt_lookup: int | None = None  # n-gram length whose earlier match is speculated instead
     incarnation: int = 0  # workers started before this one for the same engine (restarts)
 
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from saguaro.draft.protocol import (Channel, DraftUnavailable, Hello, Prefill, Ready, Release, Shutdown,
-                                    Speculation, SpecRequest)
+from saguaro.config import SpeculativeConfig
 from saguaro.engine.sampler import SamplingParams
+from saguaro.speculation.protocol import (Channel, DraftUnavailable, Hello, Prefill, Ready, Release, Shutdown,
+                                          Speculation, SpecRequest)
 
 MEASURED_ROUNDS = 3  # replies measured before the timeout follows them
 RESTART_BACKOFF_S = (1.0, 60.0)  # first and longest wait between failed restarts
@@ -27,21 +28,15 @@ RESTART_BACKOFF_S = (1.0, 60.0)  # first and longest wait between failed restart
 
 @dataclass
 class WorkerConfig:
-    draft: str  # checkpoint path, as the worker's host sees it
+    speculative: SpeculativeConfig  # draft: the checkpoint's path on the worker's host; fan_out: K+1 counts
     dtype: str
-    num_speculative_tokens: int
-    fan_out: list[int]
-    saguaro_c: float = 1.0
-    device: str = "cpu"  # the draft's device: "cpu", "cuda:1", ...
     cpus: str | None = None  # cores to pin a local CPU worker to
-    address: str | None = None  # "HOST:PORT" to await a worker started elsewhere
     # How long the worker may stay silent before it counts as gone (then it is replaced):
     timeout_s: float = 60.0  # until MEASURED_ROUNDS replies are measured (loading, warm-up)
     min_timeout_s: float = 1.0  # afterwards timeout_rounds typical rounds, never less than this,
     timeout_rounds: float = 4.0
     prefill_s_per_token: float = 0.002  # plus this for each prompt token it has not run yet
     startup_timeout_s: float = 300.0
-    prompt_lookup: int | None = None  # n-gram length whose earlier match is speculated instead
 
 
 def use_cores(cores: set[int], threads: int) -> None:
@@ -50,6 +45,25 @@ def use_cores(cores: set[int], threads: int) -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(threads)
+
+
+def usable_cores() -> set[int]:
+    """The cores this process may run on: its affinity where the OS keeps one (Linux), else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
+def split_cores(draft_device: str) -> tuple[str | None, tuple[set[int], int] | None]:
+    """On CPU, the draft worker gets the last core and this process keeps the others, so
+    drafting and verifying really run in parallel. Returns the worker's core and this
+    process's cores and threads before (for use_cores to give them back), or Nones."""
+    cores = sorted(usable_cores())
+    if draft_device != "cpu" or len(cores) < 2:
+        return None, None
+    before = set(cores), torch.get_num_threads()
+    use_cores(set(cores[:-1]), len(cores) - 1)
+    return str(cores[-1]), before
 
 
 def _stop_process(process: subprocess.Popen) -> None:
@@ -67,14 +81,15 @@ class DraftClient:
                  incarnation: int = 0):
         self.config, self.embeddings, self.target_device = config, embeddings, target_device
         self.incarnation = incarnation
-        nccl = config.device.startswith("cuda") and str(target_device).startswith("cuda")
-        host, port = (config.address.rsplit(":", 1) if config.address else ("127.0.0.1", "0"))
+        device, address = config.speculative.draft_device, config.speculative.draft_address
+        nccl = device.startswith("cuda") and str(target_device).startswith("cuda")
+        host, port = (address.rsplit(":", 1) if address else ("127.0.0.1", "0"))
         self.channel = Channel(host, int(port), rank=0, device=str(target_device) if nccl else "cpu",
                                timeout_s=config.startup_timeout_s)
         self.process: subprocess.Popen | None = None
-        if config.address is None:
-            command = [sys.executable, "-m", "saguaro.draft.worker", "--connect", f"127.0.0.1:{self.channel.port}",
-                       "--device", config.device]
+        if address is None:
+            command = [sys.executable, "-m", "saguaro.speculation.worker", "--connect",
+                       f"127.0.0.1:{self.channel.port}", "--device", device]
             if config.cpus:
                 command += ["--cpus", config.cpus]
             self.process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -85,8 +100,7 @@ class DraftClient:
         self.unseen_tokens = 0  # prompt tokens sent since the last reply: prefill work the worker has
         try:
             self.channel.connect()
-            self.channel.send(Hello(config.draft, config.dtype, config.num_speculative_tokens, config.fan_out,
-                                    config.saguaro_c, embeddings, config.prompt_lookup, incarnation),
+            self.channel.send(Hello(config.speculative, config.dtype, embeddings, incarnation),
                               config.startup_timeout_s)
             self.ready: Ready = self.channel.recv(timeout_s=config.startup_timeout_s)
         except Exception:
@@ -169,7 +183,7 @@ def replace_worker(lost: DraftClient, fan_out: list[int]) -> Future[DraftClient]
     its own, retrying with a growing pause until one is ready; the engine decodes without a
     draft meanwhile. Cancelling the future stops the retries and closes a late worker."""
     future: Future[DraftClient] = Future()
-    config = replace(lost.config, fan_out=list(fan_out))
+    config = replace(lost.config, speculative=replace(lost.config.speculative, fan_out=list(fan_out)))
 
     def run() -> None:
         pause = RESTART_BACKOFF_S[0]
@@ -189,33 +203,3 @@ def replace_worker(lost: DraftClient, fan_out: list[int]) -> Future[DraftClient]
 
     threading.Thread(target=run, name="saguaro-draft-restart", daemon=True).start()
     return future
-
-
-class InProcessDraft:
-    """The same speculator and protocol without a worker process: nothing overlaps, but every
-    message takes the same path. For tests and for debugging on one core."""
-
-    def __init__(self, config: WorkerConfig, embeddings: torch.Tensor | None):
-        from saguaro.draft.worker import DraftServer
-
-        self.config = config
-        self.server = DraftServer(Hello(config.draft, config.dtype, config.num_speculative_tokens,
-                                        config.fan_out, config.saguaro_c, embeddings, config.prompt_lookup),
-                                  config.device)
-        self.ready = self.server.ready
-        self.alive = True
-
-    def prefill(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
-                max_len: int, num_rows: int, features: list[torch.Tensor] | None = None) -> None:
-        self.server.handle(Prefill(seq_ids, token_ids, params, max_len, num_rows, features))
-
-    def speculate(self, request: SpecRequest) -> Speculation:
-        reply = self.server.handle(request)
-        self.server.fill()
-        return reply
-
-    def release(self, seq_ids: list[int]) -> None:
-        self.server.handle(Release(seq_ids))
-
-    def close(self) -> None:
-        self.alive = False

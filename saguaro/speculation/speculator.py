@@ -14,34 +14,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.engine.decoders import FeatureLog, autoregressive_draft, ensure_cache
-from saguaro.engine.kv_cache import KVCache
-from saguaro.engine.lookup import lookups, ngram_guess
 from saguaro.engine.runner import forward_chunks, last_hidden
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
 from saguaro.models.llama import LlamaModel
-
-Outcome = tuple[int, int]  # (accepted_len, bonus_token)
+from saguaro.speculation.cache import Outcome, SpeculationCache
+from saguaro.speculation.drafters import NGramDrafter, PromptLookupDrafter, model_drafter
 
 
 @dataclass
 class DraftSequence:
-    """What the draft knows of one request."""
+    """What the worker knows of one request."""
     seq_id: int
     token_ids: list[int]  # committed tokens
     params: SamplingParams
     generator: torch.Generator
-    row: int
-    cached_len: int  # committed tokens whose KV entries sit contiguously in the draft cache
-    # (for an EAGLE draft: computed from the target's features, not from its own guesses)
     spec: list[int] = field(default_factory=list)  # the speculation being verified
-    cache: dict[Outcome, int] = field(default_factory=dict)  # predicted outcome -> branch
-    branch_tokens: list[list[int]] = field(default_factory=list)  # [branches][K]
-    branch_probs: torch.Tensor | None = None  # [branches, K, head rows]; None when greedy
     # EAGLE drafts: the draft's own feature each token of the speculation was drawn from
-    # ([K, hidden]; None after the fast backup), and the same for every branch.
+    # ([K, hidden]; None after the fast backup or a lookup).
     spec_features: torch.Tensor | None = None
-    branch_features: torch.Tensor | None = None  # [branches, K, hidden]
 
 
 def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, top: int, c: float) -> torch.Tensor:
@@ -58,25 +48,33 @@ def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, top: int, c: float)
 
 
 class Speculator:
+    """The draft model (through its drafter), the speculation cache and each request's pending
+    speculation."""
+
     def __init__(self, draft: LlamaModel, k: int, fan_out: list[int], saguaro_c: float = 1.0,
                  prompt_lookup: int | None = None, incarnation: int = 0):
-        self.draft, self.k, self.saguaro_c = draft, k, saguaro_c
-        self.prompt_lookup = prompt_lookup  # n-gram length whose match replaces the draft's speculation
+        self.k, self.saguaro_c = k, saguaro_c
+        self.drafter = model_drafter(draft, k, reshape=self._sigma)
+        self.lookup = PromptLookupDrafter(k, prompt_lookup, self.drafter) if prompt_lookup else None
+        self.fast_backup = NGramDrafter(k)
+        self.cache = SpeculationCache()
         # A restarted worker draws from new random streams: the uniforms of the one before
         # already shaped the committed text, so reusing them would bias its proposals.
         self.incarnation = incarnation
-        self.cache: KVCache | None = None
         self.seqs: dict[int, DraftSequence] = {}
         self.max_len = 0
-        self.features = FeatureLog() if draft.reads_features else None
         self.set_fan_out(fan_out)
+
+    @property
+    def draft(self) -> LlamaModel:
+        return self.drafter.model
 
     def set_fan_out(self, fan_out: list[int]) -> None:
         if len(fan_out) != self.k + 1:
             raise ValueError(f"fan_out needs K+1 = {self.k + 1} entries, got {len(fan_out)}")
         self.fan_out = list(fan_out)
-        if self.cache is not None:
-            self.reserve(self.cache.num_rows, self.max_len)
+        if self.drafter.kv_cache is not None:
+            self.reserve(self.drafter.kv_cache.num_rows, self.max_len)
 
     @property
     def num_branches(self) -> int:
@@ -86,46 +84,37 @@ class Speculator:
         """Rows for num_rows requests; slots for num_slots tokens, the glue and the tree."""
         tree = self.k * self.num_branches
         self.max_len = max(self.max_len, num_slots)
-        self.cache = ensure_cache(self.cache, self.draft, num_rows, num_slots + self.k + 1 + tree)
+        self.drafter.reserve(num_rows, num_slots + self.k + 1 + tree)
 
     def add(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
             max_len: int, num_rows: int, features: list[torch.Tensor] | None = None) -> None:
         """Registers requests (prompt + first token) and runs their prompts through the draft.
         An EAGLE draft needs `features`: the target's hidden states over each prompt."""
         self.reserve(max(num_rows, len(self.seqs) + len(seq_ids)), max_len)
-        free = sorted(set(range(self.cache.num_rows)) - {s.row for s in self.seqs.values()})
         new = []
         for sid, ids, p in zip(seq_ids, token_ids, params):
             # independent of the target's stream, and of earlier incarnations' streams
             seed = (p.seed if p.seed is not None else sid) * 2654435761 + 1 + self.incarnation * 0x9E3779B97F4A7C15
             gen = torch.Generator().manual_seed(seed % (2 ** 63))
-            seq = DraftSequence(sid, list(ids), p, gen, free.pop(0), cached_len=len(ids) - 1)
-            self.seqs[sid] = seq
-            new.append(seq)
-        self._log_features(seq_ids, features)
-        forward_chunks(self.draft, self.cache, [s.row for s in new], [s.token_ids[:-1] for s in new], [0] * len(new),
-                       self._features(new, [0] * len(new), [len(s.token_ids) - 1 for s in new]))
+            self.seqs[sid] = DraftSequence(sid, list(ids), p, gen)
+            new.append(self.seqs[sid])
+        self._keep_features(seq_ids, features)
+        self.drafter.prefill(new)
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
             self.seqs.pop(sid, None)
-            if self.features is not None:
-                self.features.drop(sid)
+            self.cache.drop(sid)
+        self.drafter.release(seq_ids)
 
-    def _log_features(self, seq_ids: list[int], features: list[torch.Tensor | None] | None) -> None:
-        if self.features is None:
+    def _keep_features(self, seq_ids: list[int], features: list[torch.Tensor | None] | None) -> None:
+        if not self.drafter.reads_target_features:
             return
         if features is None:
             raise ValueError("an EAGLE draft needs the target's hidden states with every request")
         for sid, f in zip(seq_ids, features):
             if f is not None:
-                self.features.add(sid, f.to(self.draft.device))
-
-    def _features(self, seqs: list[DraftSequence], starts: list[int], ends: list[int]) -> list[torch.Tensor] | None:
-        """What an EAGLE draft reads with tokens start..end-1 of each request."""
-        if self.features is None:
-            return None
-        return [self.features.inputs(s.seq_id, a, b) for s, a, b in zip(seqs, starts, ends)]
+                self.drafter.keep_target_hidden(sid, f)
 
     # --- answering ------------------------------------------------------------------------
 
@@ -136,54 +125,37 @@ class Speculator:
         on a hit, else from the backup ("neural": the draft just in time; "fast": n-gram); with
         prompt_lookup, from the text itself wherever its last prompt_lookup tokens occurred
         before (a hit is still reported as one). Returns tokens, hits, distributions and
-        which speculations came from a lookup.
-        Distributions are copied out of the batched tensors they are views of: a pickled view
-        carries its whole storage (all branches of all requests) over the wire."""
+        which speculations came from a lookup."""
         seqs = [self.seqs[sid] for sid in seq_ids]
-        self._log_features(seq_ids, features)
+        self._keep_features(seq_ids, features)
         hits, probs = [], [None] * len(seqs)
         for i, (seq, outcome) in enumerate(zip(seqs, outcomes)):
-            hit = False
+            branch = self.cache.take(seq.seq_id, outcome)
             if outcome is not None:
                 accepted_len, bonus = outcome
                 committed = len(seq.token_ids)
                 seq.token_ids += seq.spec[:accepted_len] + [bonus]
-                seq.cached_len = min(seq.cached_len, committed + accepted_len)
-                branch = seq.cache.get(outcome)
-                if branch is not None:
-                    seq.spec = seq.branch_tokens[branch]
-                    probs[i] = None if seq.branch_probs is None else seq.branch_probs[branch].clone()
-                    if seq.branch_features is not None:
-                        seq.spec_features = seq.branch_features[branch]
-                    hit = True
-            seq.cache = {}
-            hits.append(hit)
-        looked = lookups([s.token_ids for s in seqs], self.k, self.prompt_lookup)
+                self.drafter.rollback([seq.seq_id], [committed + accepted_len])
+            if branch is not None:
+                seq.spec, probs[i] = branch.tokens, branch.probs
+                if branch.features is not None:
+                    seq.spec_features = branch.features
+            hits.append(branch is not None)
+        looked = self.lookup.find(seqs) if self.lookup is not None else {}
         for i, guess in looked.items():
             seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
         missed = [i for i, hit in enumerate(hits) if not hit and i not in looked]
         if missed and backup == "neural":
-            tokens, q, hidden = self._draft_now([seqs[i] for i in missed])
+            tokens, q, hidden = self.drafter.draft([seqs[i] for i in missed])
             for j, i in enumerate(missed):
                 seqs[i].spec = tokens[j].tolist()
                 seqs[i].spec_features = hidden[j]
                 probs[i] = None if q is None or seqs[i].params.greedy else q[j].clone()
-        else:
-            for i in missed:
-                seqs[i].spec, probs[i] = ngram_guess(seqs[i].token_ids, self.k), None
-                seqs[i].spec_features = None
+        elif missed:
+            guesses = self.fast_backup.propose([seqs[i] for i in missed]).tokens.tolist()
+            for i, guess in zip(missed, guesses):
+                seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
         return [s.spec for s in seqs], hits, probs, [i in looked for i in range(len(seqs))]
-
-    def _draft_now(self, seqs: list[DraftSequence]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        chunks = [s.token_ids[s.cached_len:] for s in seqs]
-        starts = [s.cached_len for s in seqs]
-        tokens, probs, hidden = autoregressive_draft(
-            self.draft, self.cache, [s.row for s in seqs], chunks, starts, self._warp_params(seqs),
-            self._uniforms(seqs, self.k), reshape=self._sigma,
-            features=self._features(seqs, starts, [len(s.token_ids) for s in seqs]))
-        for seq in seqs:
-            seq.cached_len = len(seq.token_ids) + (0 if self.draft.reads_features else self.k - 1)
-        return tokens, probs, hidden
 
     def _sigma(self, position: int, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Saguaro sampling for draft position `position` (0-based): a rejection there is the
@@ -218,29 +190,29 @@ class Speculator:
         hidden]. An EAGLE draft reads the target's features up to the last committed token and,
         with d_1..d_K, the features they were drafted from; after the fast backup there are
         none, and it goes over the speculation one token at a time, reading its own outputs."""
-        k = self.k
-        starts = [min(s.cached_len, len(s.token_ids) - 1) for s in seqs]
+        k, drafter, cache = self.k, self.drafter, self.drafter.kv_cache
+        starts = [min(drafter.cached_len[s.seq_id], len(s.token_ids) - 1) for s in seqs]
         ends = [len(s.token_ids) for s in seqs]
-        rows = [s.row for s in seqs]
-        features = self._features(seqs, starts, ends)
+        rows = drafter.rows[[s.seq_id for s in seqs]]
+        features = drafter.features_for(seqs, starts, ends)
         if features is not None and any(s.spec_features is None for s in seqs):
             chunks = [s.token_ids[st:] for s, st in zip(seqs, starts)]
-            hidden = [last_hidden(forward_chunks(self.draft, self.cache, rows, chunks, starts, features), chunks)]
+            hidden = [last_hidden(forward_chunks(self.draft, cache, rows, chunks, starts, features), chunks)]
             for i in range(k):
                 step = [[s.spec[i]] for s in seqs]
-                hidden.append(forward_chunks(self.draft, self.cache, rows, step, [e + i for e in ends],
+                hidden.append(forward_chunks(self.draft, cache, rows, step, [e + i for e in ends],
                                              list(hidden[-1][:, None]))[:, 0])
             hidden = torch.stack(hidden, 1)
         else:
             chunks = [s.token_ids[st:] + s.spec for s, st in zip(seqs, starts)]
             if features is not None:
                 features = [torch.cat((f, s.spec_features)) for f, s in zip(features, seqs)]
-            hidden = forward_chunks(self.draft, self.cache, rows, chunks, starts, features)
+            hidden = forward_chunks(self.draft, cache, rows, chunks, starts, features)
             last = torch.tensor([len(c) - k - 1 for c in chunks])[:, None] + torch.arange(k + 1)
             hidden = hidden[torch.arange(len(seqs))[:, None], last.to(hidden.device)]
         for seq in seqs:
             # An EAGLE draft's entries for d_1..d_K came from its own features: not kept.
-            seq.cached_len = len(seq.token_ids) + (0 if self.draft.reads_features else k)
+            drafter.cached_len[seq.seq_id] = len(seq.token_ids) + (0 if drafter.reads_target_features else k)
         return hidden
 
     def _candidates(self, seqs: list[DraftSequence], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
@@ -269,10 +241,10 @@ class Speculator:
         prefix_end = committed[:, None] - 1 + accepted[None]  # last linear slot each branch sees
         params = self._warp_params(seqs, NB)
         u = self._uniforms(seqs, NB * k).view(B, NB, k)
-        rows = torch.tensor([s.row for s in seqs], device=device)
+        rows = torch.tensor(self.drafter.rows[[s.seq_id for s in seqs]], device=device)
         branch = torch.arange(NB, device=device)
         tokens, drafted, probs = first, [], []
-        extra = {"features": position_hidden[:, branch_len]} if self.draft.reads_features else {}
+        extra = {"features": position_hidden[:, branch_len]} if self.drafter.reads_target_features else {}
         branch_features = []
         for depth in range(k):
             span = int(base.max()) + (depth + 1) * NB
@@ -282,7 +254,7 @@ class Speculator:
             mask = (slot_ids[None, None] <= prefix_end[..., None]) | in_branch
             positions = committed[:, None] + accepted[None] + depth
             slots = (base[:, None] + depth * NB + branch[None]).expand(B, NB)
-            hidden = self.draft(tokens, positions, self.cache, rows=rows, slots=slots, mask=mask, **extra)
+            hidden = self.draft(tokens, positions, self.drafter.kv_cache, rows=rows, slots=slots, mask=mask, **extra)
             if extra:
                 extra["features"] = hidden
                 branch_features.append(hidden)
@@ -298,7 +270,6 @@ class Speculator:
         probs_t = torch.stack(probs, 2) if probs else None  # [B, NB, K, head rows]
         features_t = torch.stack(branch_features, 2) if branch_features else None  # [B, NB, K, hidden]
         for b, (seq, bonus) in enumerate(zip(seqs, first.tolist())):
-            seq.cache = dict(zip(zip(branch_len, bonus), range(NB)))
-            seq.branch_tokens = drafted_t[b]
-            seq.branch_probs = None if probs_t is None or seq.params.greedy else probs_t[b]
-            seq.branch_features = None if features_t is None else features_t[b]
+            self.cache.store(seq.seq_id, list(zip(branch_len, bonus)), drafted_t[b],
+                             None if probs_t is None or seq.params.greedy else probs_t[b],
+                             None if features_t is None else features_t[b])

@@ -6,9 +6,14 @@ overwritten by the next write.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from saguaro.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from saguaro.models.llama import LlamaModel
 
 
 class KVCache:
@@ -51,3 +56,48 @@ def as_slice(rows: torch.Tensor | None) -> torch.Tensor | slice | None:
     if rows.tolist() == list(range(first, first + rows.numel())):
         return slice(first, first + rows.numel())
     return rows
+
+
+def new_cache(model: LlamaModel, num_rows: int, num_slots: int) -> KVCache:
+    """A cache with one extra slot per row: the scratch slot that padding writes to."""
+    return KVCache(model.config, num_rows, num_slots + 1, model.dtype, model.device)
+
+
+def ensure_cache(cache: KVCache | None, model: LlamaModel, num_rows: int, num_slots: int) -> KVCache:
+    """A cache with at least num_rows rows of num_slots usable slots. Growing keeps what the
+    old cache held, so sequences in flight survive a larger batch joining them."""
+    if cache is not None and cache.num_rows >= num_rows and cache.num_slots > num_slots:
+        return cache
+    grown = new_cache(model, max(num_rows, cache.num_rows if cache else 0),
+                      max(num_slots, cache.num_slots - 1 if cache else 0))
+    if cache is not None:
+        rows, slots = cache.num_rows, cache.num_slots
+        grown.keys[:, :rows, :, :slots] = cache.keys
+        grown.values[:, :rows, :, :slots] = cache.values
+    return grown
+
+
+class CacheRows:
+    """Which cache row each live sequence holds."""
+
+    def __init__(self):
+        self.of: dict[int, int] = {}  # seq_id -> row
+
+    def assign(self, seq_ids: list[int], num_rows: int) -> list[int]:
+        """Gives each new sequence the lowest free row of a cache with num_rows rows."""
+        free = sorted(set(range(num_rows)) - set(self.of.values()))
+        if len(free) < len(seq_ids):
+            raise RuntimeError(f"no free KV cache row ({num_rows} rows, {len(self.of)} taken)")
+        for seq_id, row in zip(seq_ids, free):
+            self.of[seq_id] = row
+        return [self.of[s] for s in seq_ids]
+
+    def free(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.of.pop(seq_id, None)
+
+    def __getitem__(self, seq_ids: list[int]) -> list[int]:
+        return [self.of[s] for s in seq_ids]
+
+    def __len__(self) -> int:
+        return len(self.of)

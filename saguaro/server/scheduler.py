@@ -1,10 +1,11 @@
 """Continuous batching: requests join and leave the running batch between decoding rounds.
 
-One thread owns the LLM and repeats: admit waiting requests (prefill commits their first
-token), run one round for the whole running batch, hand each request the text the round
-committed, release finished and cancelled requests. Decoders work on whatever sequences they
-are handed, so a request's tokens do not depend on the others in the batch; each keeps its
-own sampling parameters and random stream. Other threads only submit and cancel, under a lock.
+One thread owns the LLM and drives its engine loop (saguaro.engine.loop, the one
+`LLM.generate` drives): it hands the engine the waiting requests that fit the batch, runs a
+step (their prefill, then one round for the whole running batch), sends each request the text
+that became final, and aborts cancelled requests. A request's tokens do not depend on the
+others in the batch; each keeps its own sampling parameters and random stream. Other threads
+only submit and cancel, under a lock.
 """
 from __future__ import annotations
 
@@ -14,13 +15,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from saguaro.llm import LLM
+from saguaro.llm import LLM
 
 TOKENS_PER_S_WINDOW_S = 10.0
 
@@ -95,6 +93,7 @@ class Scheduler:
         if max_batch_size < 1 or max_waiting < 0:
             raise ValueError("max_batch_size must be >= 1 and max_waiting >= 0")
         self.llm = llm
+        self.engine = llm.engine
         self.decoder = llm.decoder
         context = llm.target.config.max_position_embeddings
         self.max_model_len = min(max_model_len or context, context)
@@ -177,10 +176,7 @@ class Scheduler:
             admitted, cancelled = work
             self._drop([r for rid, r in self._running.items() if rid in cancelled], "cancelled")
             try:
-                if admitted:
-                    self._admit(admitted)
-                if self._running:
-                    self._step()
+                self._step(admitted)
             except Exception as e:  # a failed round fails its requests, not the server
                 self._drop(list(self._running.values()), "error", f"engine error: {e!r}")
         self._drop(list(self._running.values()), "error", "the server is shutting down")
@@ -208,41 +204,33 @@ class Scheduler:
             self._num_running = len(self._running) + len(admitted)
             return admitted, cancelled
 
-    def _admit(self, requests: list[Request]) -> None:
-        running = []
+    def _step(self, requests: list[Request]) -> None:
+        """Admits the requests (a prefill commits their first token), runs one engine step,
+        then sends each request its new text; a finished one is already out of the batch."""
+        admitted = []
         for request in requests:
             seq = self.llm.new_sequence(request.prompt_ids, request.params)
             seq.stats.t_arrival = request.arrival
-            running.append(_Running(request, seq))
-            self._running[request.request_id] = running[-1]
-        with self._lock:
-            self._stats.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
-        self.decoder.prefill([r.seq for r in running])
-        self._after_round(running)
-
-    def _step(self) -> None:
-        running = list(self._running.values())
-        self.decoder.step([r.seq for r in running])
-        with self._lock:
-            self._stats.rounds += 1
-            self._stats.batch_size_sum += len(running)
-        self._after_round(running)
-
-    def _after_round(self, running: list[_Running]) -> None:
-        """Releases the finished requests, then sends each request its new text (so a request
-        that has seen its end is already out of the batch)."""
-        updates = []
-        for r in running:
-            seq = r.seq
-            new = seq.detokenizer.take_stream()
-            if new or seq.finished:
-                updates.append((r.request, Update(new, len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason)))
+            admitted.append(_Running(request, seq))
+            self._running[request.request_id] = admitted[-1]
+        if requests:
+            with self._lock:
+                self._stats.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
+        self.engine.add([r.seq for r in admitted])
+        result = self.engine.step()
+        by_seq = {r.seq.seq_id: r for r in self._running.values()}
+        running = [by_seq[u.seq.seq_id] for u in result.updates]
+        updates = [(by_seq[u.seq.seq_id].request, Update(u.new_text, len(u.seq.prompt_ids), len(u.seq.output_ids),
+                                                         u.seq.finish_reason))
+                   for u in result.updates if u.new_text or u.seq.finished]
         self._record(running)
         finished = [r for r in running if r.seq.finished]
         for r in finished:
             del self._running[r.request.request_id]
-        self.decoder.release([r.seq for r in finished])
         with self._lock:
+            if result.decoded:
+                self._stats.rounds += 1
+                self._stats.batch_size_sum += result.decoded
             for r in finished:
                 self._stats.finished[r.seq.finish_reason] += 1
             self._num_running -= len(finished)
@@ -281,7 +269,7 @@ class Scheduler:
             if error is not None:
                 self._send(r.request, Update("", len(r.seq.prompt_ids), len(r.seq.output_ids), error=error))
         try:
-            self.decoder.release([r.seq for r in running])
+            self.engine.abort([r.seq for r in running])
         finally:
             with self._lock:
                 self._stats.finished[reason] += len(running)

@@ -1,0 +1,97 @@
+"""How to speculate: one configuration for `LLM`, the CLI, `saguaro serve`, the bench and the
+draft worker's handshake, in the style of vLLM's `speculative_config`."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields, replace
+
+METHODS = ("ar", "sd", "ssd")
+BACKUPS = ("auto", "neural", "fast")
+FAN_OUTS = ("geometric", "uniform")
+
+
+def _option(default, help: str, flag: str | None = None, group: str = "speculation", **argparse_kwargs):
+    return field(default=default, metadata={"help": help, "flag": flag, "group": group, **argparse_kwargs})
+
+
+@dataclass
+class SpeculativeConfig:
+    """What the draft is and how it speculates. With method "ar" the rest is ignored."""
+    method: str = _option("ar", "ar (autoregressive), sd (draft in this process) or ssd (draft in its own "
+                                "process, overlapping verification)", choices=METHODS)
+    draft: str | None = _option(None, "draft model: a known name or a checkpoint path (default: the target's "
+                                      "shipped draft)")
+    num_speculative_tokens: int = _option(5, "draft tokens per round (K)", flag="-k")
+    prompt_lookup: int | None = _option(2, "where the last N tokens occurred earlier in the text, speculate "
+                                           "what followed them instead of drafting; 0 turns it off", metavar="N")
+    fan_out: str | list[int] = _option("geometric", "geometric, uniform, or K+1 comma-separated counts of cached "
+                                                    "bonus tokens per accepted length", group="ssd")
+    fan_out_budget: int = _option(16, "cached branches per request", group="ssd")
+    saguaro_c: float = _option(1.0, "Saguaro sampling constant C (1 = off)", group="ssd")
+    backup: str = _option("auto", "speculation on a cache miss: neural (draft now), fast (n-gram), or auto "
+                                  "(by batch size)", group="ssd", choices=BACKUPS)
+    draft_device: str = _option("cpu", "the draft worker's device", group="ssd")
+    draft_address: str | None = _option(None, "HOST:PORT to await a worker started elsewhere "
+                                               "(python -m saguaro.speculation.worker --connect HOST:PORT)",
+                                         group="ssd")
+    acceptance_rate: float = _option(0.75, "prior per-token acceptance for the geometric fan-out (re-fitted "
+                                           "to the measured one every 16 rounds)", group="ssd")
+    power_law_r: float = _option(0.6, "exponent r of the cache miss rate F^-r", group="ssd")
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        if self.backup not in BACKUPS:
+            raise ValueError(f"backup must be one of {', '.join(BACKUPS)}")
+        if self.fan_out_budget < 0:
+            raise ValueError("fan_out_budget must be >= 0")
+        if isinstance(self.fan_out, str) and self.fan_out not in FAN_OUTS:
+            self.fan_out = [int(f) for f in self.fan_out.split(",")]  # "2,2,1,1,0,0" from a command line
+        if not isinstance(self.fan_out, str):
+            self.fan_out = list(self.fan_out)
+            if len(self.fan_out) != self.num_speculative_tokens + 1 or min(self.fan_out) < 0:
+                raise ValueError(f"fan_out needs K+1 = {self.num_speculative_tokens + 1} counts >= 0")
+
+    @classmethod
+    def of(cls, config: SpeculativeConfig | dict | None = None, **overrides) -> SpeculativeConfig:
+        """A config from a SpeculativeConfig, a dict of its fields or None (the defaults), with
+        overrides; unknown names raise TypeError, listing the known ones."""
+        known = {f.name for f in fields(cls)}
+        given = config if isinstance(config, dict) else {}
+        unknown = (set(given) | set(overrides)) - known
+        if unknown:
+            raise TypeError(f"unknown speculative option(s) {', '.join(sorted(unknown))}; "
+                            f"known: {', '.join(sorted(known))}")
+        base = config if isinstance(config, cls) else cls(**given)
+        return replace(base, **overrides) if overrides else base
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (),
+                              defaults: dict[str, tuple[object, str]] | None = None) -> None:
+    """The SpeculativeConfig fields as command-line options (--num-speculative-tokens, ...).
+    defaults: field -> (another default, how the help should describe it)."""
+    defaults = defaults or {}
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    titles = {"speculation": "speculation (sd, ssd)", "ssd": "SSD (--method ssd)"}
+    for f in fields(SpeculativeConfig):
+        if f.name in exclude:
+            continue
+        meta = dict(f.metadata)
+        group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(
+            titles[meta["group"]]))
+        flags = [meta.pop("flag")] if meta.get("flag") else []
+        meta.pop("flag", None)
+        meta.pop("group")
+        kind = {"int": int, "float": float, "int | None": int}.get(str(f.type))
+        default, described = defaults.get(f.name, (f.default, "%(default)s"))
+        help_text = meta.pop("help") + (f" (default: {described})" if default is not None or f.name in defaults else "")
+        group.add_argument(*flags, "--" + f.name.replace("_", "-"), default=default, help=help_text,
+                           **({"type": kind} if kind else {}), **meta)
+
+
+def speculative_config_from_args(args: argparse.Namespace, **overrides) -> SpeculativeConfig:
+    """The SpeculativeConfig the options of `add_speculative_arguments` describe."""
+    given = {f.name: getattr(args, f.name) for f in fields(SpeculativeConfig) if hasattr(args, f.name)}
+    return SpeculativeConfig(**{**given, **overrides})

@@ -1,0 +1,117 @@
+"""The package's layers only point down: no module imports from a layer above its own, and no
+two packages import each other (docs/DESIGN.md, "Layout")."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "saguaro"
+
+# Lowest first. A module belongs to the longest prefix listed; it may import from its own layer
+# and the layers below.
+LAYERS = [
+    ["saguaro.config", "saguaro.datasets"],
+    ["saguaro.models"],
+    ["saguaro.engine"],
+    ["saguaro.speculation"],
+    ["saguaro.llm", "saguaro.outputs", "saguaro"],  # the package's face re-exports LLM
+    ["saguaro.server", "saguaro.bench", "saguaro.distill"],
+    ["saguaro.cli"],
+]
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer, the prefix that placed it)."""
+    matches = [(len(prefix), i, prefix) for i, layer in enumerate(LAYERS) for prefix in layer
+               if module == prefix or module.startswith(prefix + ".")]
+    if not matches:
+        raise KeyError(f"{module} is in no layer: add it to LAYERS")
+    _, i, prefix = max(matches)
+    return i, prefix
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(source: str, module: str, is_package: bool) -> set[str]:
+    """The saguaro modules a module's source imports (anywhere in it, lazy imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}  # `from saguaro import bench`
+    return {name for name in found if name == "saguaro" or name.startswith("saguaro.")}
+
+
+def package_modules(root: Path) -> dict[str, set[str]]:
+    """Module -> the saguaro modules it imports, for every module under root."""
+    graph = {}
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        graph[name] = imports(path.read_text(), name, path.name == "__init__.py")
+    return graph
+
+
+def violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that point up a layer, and pairs of packages that import each other."""
+    known = set(graph)
+    found = []
+    package_edges = set()
+    for module, targets in graph.items():
+        layer, prefix = layer_of(module)
+        for target in targets:
+            if target not in known:  # `from saguaro.x import name`: the name is not a module
+                continue
+            target_layer, target_prefix = layer_of(target)
+            if target_layer > layer:
+                found.append(f"{module} (layer {layer}) imports {target} (layer {target_layer})")
+            if target_prefix != prefix:
+                package_edges.add((prefix, target_prefix))
+    for a, b in sorted(package_edges):
+        if a < b and (b, a) in package_edges:
+            found.append(f"{a} and {b} import each other")
+    return found
+
+
+def test_every_module_has_a_layer():
+    for module in package_modules(PACKAGE):
+        layer_of(module)
+
+
+def test_imports_only_point_down():
+    assert violations(package_modules(PACKAGE)) == []
+
+
+def test_the_check_catches_an_upward_import_and_a_cycle(tmp_path):
+    """The same check on a copy of the package with two bad imports added."""
+    copy = tmp_path / "saguaro"
+    for path in PACKAGE.rglob("*.py"):
+        target = copy / path.relative_to(PACKAGE)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
+    runner = copy / "engine" / "runner.py"
+    runner.write_text(runner.read_text() + "\nfrom saguaro.speculation.ssd import SSDDecoder\n")
+    found = violations(package_modules(copy))
+    assert any("saguaro.engine.runner (layer 2) imports saguaro.speculation.ssd" in v for v in found)
+    assert any("saguaro.engine and saguaro.speculation import each other" in v for v in found)
+    lazy = copy / "models" / "hub.py"
+    lazy.write_text(lazy.read_text() + "\n\ndef f():\n    from ..llm import LLM\n")
+    assert any("saguaro.models.hub (layer 1) imports saguaro.llm" in v for v in violations(package_modules(copy)))
+
+
+@pytest.mark.parametrize("module, layer", [("saguaro.speculation.ssd", 3), ("saguaro.llm", 4),
+                                           ("saguaro", 4), ("saguaro.config", 0)])
+def test_modules_land_in_their_layer(module, layer):
+    assert layer_of(module)[0] == layer
