@@ -48,7 +48,11 @@ class SpeculativeConfig:
         if self.fan_out_budget < 0:
             raise ValueError("fan_out_budget must be >= 0")
         if isinstance(self.fan_out, str) and self.fan_out not in FAN_OUTS:
-            self.fan_out = [int(f) for f in self.fan_out.split(",")]  # "2,2,1,1,0,0" from a command line
+            try:  # "2,2,1,1,0,0" from a command line
+                self.fan_out = [int(f) for f in self.fan_out.split(",")]
+            except ValueError:
+                raise ValueError(f"fan_out is geometric, uniform or K+1 comma-separated counts, "
+                                 f"not {self.fan_out!r}") from None
         if not isinstance(self.fan_out, str):
             self.fan_out = list(self.fan_out)
             if len(self.fan_out) != self.num_speculative_tokens + 1 or min(self.fan_out) < 0:
@@ -58,6 +62,8 @@ class SpeculativeConfig:
     def of(cls, config: SpeculativeConfig | dict | None = None, **overrides) -> SpeculativeConfig:
         """A config from a SpeculativeConfig, a dict of its fields or None (the defaults), with
         overrides; unknown names raise TypeError, listing the known ones."""
+        if not (config is None or isinstance(config, (cls, dict))):
+            raise TypeError(f"speculative_config is a SpeculativeConfig or a dict, not {type(config).__name__}")
         known = {f.name for f in fields(cls)}
         given = config if isinstance(config, dict) else {}
         unknown = (set(given) | set(overrides)) - known

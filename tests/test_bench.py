@@ -12,8 +12,8 @@ import torch
 
 from saguaro import SamplingParams
 from saguaro.bench import peers, report
-from saguaro.models.kv_cache import KVCache
 from saguaro.models import hub
+from saguaro.models.kv_cache import KVCache
 from saguaro.models.loader import load_draft
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from saguaro.distill.draft import DraftSpec, init_draft
-from saguaro.models.kv_cache import KVCache
 from saguaro.models import loader
 from saguaro.models.config import ModelConfig
+from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel
 
 

@@ -18,8 +18,8 @@ import torch
 import transformers
 from transformers.utils import logging
 
-from saguaro.models.kv_cache import KVCache
 from saguaro.models.config import UnsupportedModelError
+from saguaro.models.kv_cache import KVCache
 from saguaro.models.loader import load_model
 
 VOCAB = 96

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from saguaro import LLM, SamplingParams
-from saguaro.models.kv_cache import new_cache
 from saguaro.engine.runner import forward_chunks
 from saguaro.models import hub
+from saguaro.models.kv_cache import new_cache
 from saguaro.models.loader import load_model
 
 STEPS = 24  # one-token AR steps, then the same positions re-run as K + 1 = 6 token chunks

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from saguaro.models.kv_cache import KVCache, as_slice
 from saguaro.engine.runner import forward_chunks
 from saguaro.models.config import ModelConfig
+from saguaro.models.kv_cache import KVCache, as_slice
 from saguaro.models.llama import LlamaModel
 
 VOCAB = 64

@@ -3,9 +3,9 @@ import dataclasses
 
 import torch
 
-from saguaro.models.kv_cache import KVCache
 from saguaro.models import hub, loader
 from saguaro.models.config import ModelConfig
+from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel
 
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from conftest import NEW_TOKENS
-from saguaro import SamplingParams
 from drafts import InProcessDraft, worker_config
+from saguaro import SamplingParams
 from saguaro.engine import decoders
 from saguaro.engine.loop import Engine
 from saguaro.engine.sequence import Sequence

@@ -61,9 +61,9 @@ class Engine:
         """Drops sequences (cancelled, or failed with their round) and frees what they held."""
         ids = {s.seq_id for s in seqs}
         self.waiting = [s for s in self.waiting if s.seq_id not in ids]
-        for seq_id in ids:
-            self.running.pop(seq_id, None)
-        self.decoder.release(seqs)
+        admitted = [self.running.pop(seq_id) for seq_id in ids if seq_id in self.running]
+        if admitted:
+            self.decoder.release(admitted)
 
     def _release_finished(self, seqs: list[Sequence]) -> None:
         finished = [s for s in seqs if s.finished]

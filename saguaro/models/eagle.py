@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from saguaro.models.kv_cache import KVCache
 from saguaro.models.config import ModelConfig
+from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel, RMSNorm
 
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from saguaro.models.kv_cache import KVCache, as_slice
 from saguaro.models import invariant
 from saguaro.models.config import ModelConfig
+from saguaro.models.kv_cache import KVCache, as_slice
 
 
 class RMSNorm(nn.Module):

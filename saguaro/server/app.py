@@ -20,8 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from saguaro.server import scheduler as sched
 from saguaro.llm import LLM
+from saguaro.server import scheduler as sched
 from saguaro.server import metrics
 from saguaro.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
                                      chat_choice, chat_delta, completion_choice, envelope, error_body, new_id,
