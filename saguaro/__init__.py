@@ -1,7 +1,8 @@
 """saguaro: exact speculative speculative decoding (SSD) for Llama-family models."""
+from saguaro.config import SpeculativeConfig
 from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
 from saguaro.outputs import RequestMetrics, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics"]
+__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "RequestOutput", "RequestMetrics"]
 __version__ = "0.1.0"

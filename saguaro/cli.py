@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(writes bench.json, bench.md and plots)")
     bench.add_argument("--model", default=hub.DEFAULT_MODEL)
     bench.add_argument("--methods", default="ar,sd,ssd,hf,hf-assisted",
-                       help="of ar, sd, ssd, hf (transformers generate), hf-assisted (with the draft as assistant)")
+                       help="of ar, sd, ssd, auto, hf (transformers generate), hf-assisted (with the draft as assistant)")
     bench.add_argument("--datasets", default="humaneval", help="of humaneval, sharegpt (held-out first turns), random")
     bench.add_argument("--num-prompts", type=int, default=10)
     bench.add_argument("--max-tokens", type=int, default=128)

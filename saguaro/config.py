@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields, replace
 
-METHODS = ("ar", "sd", "ssd")
+METHODS = ("ar", "sd", "ssd", "auto")
 BACKUPS = ("auto", "neural", "fast")
 FAN_OUTS = ("geometric", "uniform")
 
@@ -17,11 +17,12 @@ def _option(default, help: str, flag: str | None = None, group: str = "speculati
 @dataclass
 class SpeculativeConfig:
     """What the draft is and how it speculates. With method "ar" the rest is ignored."""
-    method: str = _option("ar", "ar (autoregressive), sd (draft in this process) or ssd (draft in its own "
-                                "process, overlapping verification)", choices=METHODS)
+    method: str = _option("ar", "ar (autoregressive), sd (draft in this process), ssd (draft in its own "
+                                "process, overlapping verification) or auto (each round AR or SD with the K "
+                                "that pays, measured as it runs)", choices=METHODS)
     draft: str | None = _option(None, "draft model: a known name or a checkpoint path (default: the target's "
                                       "shipped draft)")
-    num_speculative_tokens: int = _option(5, "draft tokens per round (K)", flag="-k")
+    num_speculative_tokens: int = _option(5, "draft tokens per round (K; auto: the most)", flag="-k")
     prompt_lookup: int | None = _option(2, "where the last N tokens occurred earlier in the text, speculate "
                                            "what followed them instead of drafting; 0 turns it off", metavar="N")
     fan_out: str | list[int] = _option("geometric", "geometric, uniform, or K+1 comma-separated counts of cached "

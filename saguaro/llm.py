@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from saguaro.config import SpeculativeConfig, add_speculative_arguments, speculative_config_from_args
+from saguaro.engine.decoders import Decoder
 from saguaro.engine.loop import Engine
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
@@ -54,7 +55,7 @@ class LLM:
         return self.speculative_config.method
 
     @property
-    def decoder(self):
+    def decoder(self) -> Decoder:
         return self.engine.decoder
 
     def close(self) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-import saguaro
+import saguaro.llm
 from saguaro import SamplingParams
 from saguaro.cli import main
 
@@ -26,14 +27,15 @@ def test_generate_entry_point_on_the_default_model(llm):
 
 @pytest.fixture
 def loads(llm, monkeypatch) -> list[dict]:
-    """Makes saguaro.LLM return the session's model; records the arguments of each load."""
+    """Makes the CLI's LLM the session's model; records the arguments of each load (the
+    speculative config's fields among them)."""
     calls = []
 
-    def fake_llm(model, **kwargs):
-        calls.append({"model": model, **kwargs})
+    def fake_llm(model, speculative_config, **kwargs):
+        calls.append({"model": model, **asdict(speculative_config), **kwargs})
         return llm
 
-    monkeypatch.setattr(saguaro, "LLM", fake_llm)
+    monkeypatch.setattr(saguaro.llm, "LLM", fake_llm)
     return calls
 
 

@@ -26,6 +26,7 @@ from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
 from saguaro.models import hub
 from saguaro.models.loader import load_draft
+from saguaro.speculation.auto import AutoDecoder
 from saguaro.speculation.build import draft_path, sd_drafter
 from saguaro.speculation.sd import SDDecoder
 from saguaro.speculation.ssd import SSDStats
@@ -87,10 +88,11 @@ def build_engines(llm: LLM, config: BenchConfig) -> dict:
     """name -> generate(prompts, params) -> per-request records. One saguaro target is shared by
     AR, SD and SSD (whose decoder is the LLM's own: it owns the worker)."""
     spec = config.speculative
-    needs_draft = {"sd", "hf-assisted"} & set(config.methods)
+    needs_draft = {"sd", "auto", "hf-assisted"} & set(config.methods)
     draft = load_draft(draft_path(spec, config.model), llm.target) if needs_draft else None
     decoders = {"ar": ARDecoder(llm.target) if "ar" in config.methods else None,
                 "sd": SDDecoder(llm.target, sd_drafter(draft, spec)) if "sd" in config.methods else None,
+                "auto": AutoDecoder(llm.target, sd_drafter(draft, spec)) if "auto" in config.methods else None,
                 "ssd": llm.decoder if "ssd" in config.methods else None}
 
     def saguaro_engine(engine: Engine):
@@ -127,8 +129,7 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
     if out_dir is not None:
         report.require_matplotlib()
     torch.manual_seed(config.seed)
-    saguaro_methods = [m for m in config.methods if m in SPECULATIVE_METHODS]
-    method = "ssd" if "ssd" in saguaro_methods else "sd" if "sd" in saguaro_methods else "ar"
+    method = "ssd" if "ssd" in config.methods else "ar"  # the LLM's own decoder: SSD's owns the worker
     llm = LLM(config.model, replace(config.speculative, method=method), dtype=config.dtype)
     if method != "ssd":
         torch.set_num_threads(1)

@@ -9,6 +9,7 @@ from saguaro.engine.decoders import ARDecoder, Decoder
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
 from saguaro.models.loader import IncompatibleDraftError, load_draft
+from saguaro.speculation.auto import AutoDecoder
 from saguaro.speculation.client import DraftClient, WorkerConfig, split_cores, use_cores
 from saguaro.speculation.drafters import Drafter, PromptLookupDrafter, model_drafter
 from saguaro.speculation.planning import GeometricPlan, geometric_fan_out, uniform_fan_out
@@ -16,10 +17,11 @@ from saguaro.speculation.sd import SDDecoder
 from saguaro.speculation.ssd import SSDDecoder
 
 
-def draft_path(spec: SpeculativeConfig, model: str) -> Path:
-    """The draft checkpoint: the one named, else the target's shipped distilled draft."""
+def draft_path(spec: SpeculativeConfig, model: str) -> Path | None:
+    """The draft checkpoint: the one named, else the target's shipped distilled draft (auto
+    may have none: it then decodes autoregressively)."""
     path = hub.resolve(spec.draft) if spec.draft else hub.default_draft(str(model))
-    if path is None:
+    if path is None and spec.method != "auto":
         raise ValueError(f"method {spec.method!r} needs a draft model (no shipped draft for {model!r})")
     return path
 
@@ -46,8 +48,12 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str) -> Dec
     if spec.method == "ar":
         return ARDecoder(target)
     path = draft_path(spec, model)
+    if path is None:
+        return ARDecoder(target)
     if spec.method == "sd":
         return SDDecoder(target, sd_drafter(load_draft(path, target), spec))
+    if spec.method == "auto":
+        return AutoDecoder(target, sd_drafter(load_draft(path, target), spec))
     fan_out, plan = fan_out_plan(spec)
     worker_spec = replace(spec, draft=str(path), fan_out=fan_out)
     cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device)

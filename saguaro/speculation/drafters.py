@@ -45,6 +45,10 @@ class Drafter(ABC):
     def __init__(self, k: int):
         self.k = k
 
+    def set_num_tokens(self, k: int) -> None:
+        """Proposes k tokens from the next round on (method="auto" changes it between rounds)."""
+        self.k = k
+
     def reserve(self, num_rows: int, num_slots: int) -> None:
         """Makes room for num_rows sequences of up to num_slots tokens each."""
 
@@ -264,6 +268,10 @@ class PromptLookupDrafter(Drafter):
             probs = point_masses(tokens, proposal.probs.shape[-1]).to(proposal.probs.device)
             probs[drafted] = proposal.probs
         return Proposal(tokens, probs)
+
+    def set_num_tokens(self, k: int) -> None:
+        self.k = k
+        self.fallback.set_num_tokens(k)
 
     def reserve(self, num_rows: int, num_slots: int) -> None:
         self.fallback.reserve(num_rows, num_slots)

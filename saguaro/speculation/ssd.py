@@ -70,6 +70,8 @@ class SSDStats:
 
 
 class SSDDecoder(ARDecoder):
+    """The target side of SSD: one SpecRequest and one verification per round (see above)."""
+
     def __init__(self, target: LlamaModel, client: DraftClient, backup: str = "auto",
                  plan: GeometricPlan | None = None):
         super().__init__(target)
@@ -88,7 +90,7 @@ class SSDDecoder(ARDecoder):
         self.fan_out = list(client.config.speculative.fan_out)
         self._new_fan_out: list[int] | None = None
         self.plan = plan
-        self.cores_before: tuple[set[int], int] | None = None  # given back by close (see build.split_cores)
+        self.cores_before: tuple[set[int], int] | None = None  # given back by close (see client.split_cores)
         self.branch_budget = plan.budget if plan else None
         self._rounds = 0
 
