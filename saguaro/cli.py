@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="smoke run: 2 prompts x 16 tokens, T 0 and 0.7, batch 1 and 2, fan-outs 1,2 (under 3 min)")
     bench.add_argument("--out", type=Path, default=Path("bench_out"))
     add_speculative_arguments(bench, exclude=("method",))
+    plan = commands.add_parser("plan", help="what method=auto measures, predicts and chooses, per batch size")
+    plan.add_argument("--batch-sizes", default="1,4,8,16", help="(default: %(default)s)")
+    plan.add_argument("--dataset", choices=["humaneval", "sharegpt"], default="humaneval",
+                      help="prompts (sharegpt: held-out first turns) (default: %(default)s)")
+    plan.add_argument("--max-tokens", type=int, default=64, help="per request and choice (default: %(default)s)")
+    plan.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
+    add_llm_arguments(plan, method_default="auto")
     commands.add_parser("serve", add_help=False,
                         help="serve a model over an OpenAI-compatible HTTP API (saguaro serve --help)")
     return parser
@@ -112,6 +119,20 @@ def run_bench(args: argparse.Namespace) -> int:
     result = bench.run(bench_config, args.out)
     print(report.markdown(result))
     print(f"written to {args.out}/")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from saguaro import SamplingParams
+    from saguaro.bench import plan
+    from saguaro.datasets import humaneval_prompts, sharegpt_first_turns
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    texts = humaneval_prompts() if args.dataset == "humaneval" else sharegpt_first_turns("heldout", limit=max(batch_sizes))
+    llm = llm_from_args(args)
+    prompts = [llm.encode([{"role": "user", "content": t}]) for t in texts[:max(batch_sizes)]]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+    print(plan.markdown(plan.plan(llm, prompts, batch_sizes, params)))
     return 0
 
 
@@ -183,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return run_bench(args)
+        if args.command == "plan":
+            return run_plan(args)
         if args.command == "pull":
             print(hub.pull(args.name))
         elif args.command == "generate":

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import NEW_TOKENS
 from saguaro import LLM, SamplingParams
+from saguaro.bench import plan
 from saguaro.config import SpeculativeConfig
 from saguaro.engine import decoders
 from saguaro.engine.sequence import Sequence
@@ -92,8 +93,12 @@ def test_switching_check_catches_a_broken_acceptance_rule(target, draft, monkeyp
     assert auto_pvalue(target, draft, sampled(1.0)) < ALPHA
 
 
-def test_auto_greedy_equals_ar_on_real_prompts(prompts, ar_greedy):
-    auto = LLM(hub.DEFAULT_MODEL, method="auto", dtype="float32")
+@pytest.fixture(scope="module")
+def auto() -> LLM:
+    return LLM(hub.DEFAULT_MODEL, method="auto", dtype="float32")
+
+
+def test_auto_greedy_equals_ar_on_real_prompts(auto, prompts, ar_greedy):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     outputs = []
     for i in range(0, 8, 4):
@@ -102,3 +107,13 @@ def test_auto_greedy_equals_ar_on_real_prompts(prompts, ar_greedy):
     assert [out.token_ids for out in outputs] == ar_greedy[:9]
     rounds = auto.metrics()["auto_rounds_by_k"]
     assert rounds.get(0) and sum(n for k, n in rounds.items() if k) > 0  # it ran AR and speculated
+
+
+def test_plan_forecasts_each_batch_size_from_the_others_then_measures_it(auto, prompts):
+    rows = plan.plan(auto, prompts[:2], [1, 2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    k_max = auto.decoder.controller.max_k
+    assert [(r.batch, r.k) for r in rows] == [(b, k) for b in (1, 2) for k in range(k_max + 1)]
+    assert all(r.measured_tok_s > 0 for r in rows)
+    assert [sum(r.chosen for r in rows if r.batch == b) for b in (1, 2)] == [1, 1]
+    assert all(r.predicted_tok_s is not None for r in rows if r.batch == 2)  # forecast from batch 1
+    assert "| 2 | 0 |" in plan.markdown(rows)

@@ -6,8 +6,9 @@ import json
 import statistics
 from pathlib import Path
 
-DEVICES = {"ar": 1, "sd": 1, "ssd": 2, "hf": 1, "hf-assisted": 1}  # devices (cores or GPUs) a method occupies
-RATIOS = (("ssd", "sd"), ("ssd", "ar"), ("sd", "ar"), ("ar", "hf"), ("sd", "hf-assisted"))
+DEVICES = {"ar": 1, "sd": 1, "ssd": 2, "auto": 1, "hf": 1, "hf-assisted": 1}  # devices (cores or GPUs) a method occupies
+RATIOS = (("ssd", "sd"), ("ssd", "ar"), ("auto", "sd"), ("auto", "ar"), ("sd", "ar"), ("ar", "hf"),
+          ("sd", "hf-assisted"))
 
 
 def key(dataset: str, temperature: float, batch: int) -> str:
@@ -83,8 +84,9 @@ def markdown(result: dict) -> str:
             f"| {_fmt(r['decode_tok_s_median'], 1)} ({_fmt(r['decode_tok_s_p10'], 1)}–{_fmt(r['decode_tok_s_p90'], 1)}) "
             f"| {_fmt(r['total_tok_s_median'], 1)} | {_fmt(r['tok_s_per_device'], 1)} | {_fmt(r['ttft_s_median'], 3)} "
             f"| {_fmt(r['acceptance_length_mean'])} | {_fmt(r['cache_hit_rate'])} | {_fmt(r['t_p_median'])} "
-            f"| {_fmt(r.get('ssd_over_sd'))} | {_fmt(r.get('ssd_over_ar', r.get('sd_over_ar')))} | {_fmt(peer)} |")
-    lines += ["", "vs SD: SSD / SD; vs AR: SSD / AR (SD / AR on SD rows); vs peer: saguaro AR / transformers "
+            f"| {_fmt(r.get('ssd_over_sd', r.get('auto_over_sd')))} "
+            f"| {_fmt(r.get('ssd_over_ar', r.get('auto_over_ar', r.get('sd_over_ar'))))} | {_fmt(peer)} |")
+    lines += ["", "vs SD: SSD (auto) / SD; vs AR: SSD (auto) / AR, SD / AR on SD rows; vs peer: saguaro AR / transformers "
               "`generate`, saguaro SD / transformers assisted generation. All ratios of median decode tok/s "
               "per request."]
     sweep = result.get("fan_out_sweep")

@@ -11,7 +11,7 @@ def _metric(lines: list[str], name: str, kind: str, help: str, samples: list[tup
 
 def render(stats: SchedulerStats, errors: dict[int, int], max_batch_size: int, max_waiting: int,
            engine: dict | None = None) -> str:
-    """engine: LLM.metrics() (SSD: the draft worker's losses and restarts)."""
+    """engine: LLM.metrics() (SSD: the draft worker's losses and restarts; auto: its choices)."""
     s = stats
     lines: list[str] = []
     _metric(lines, "requests_total", "counter", "Requests that ended, by how they ended.",
@@ -48,4 +48,9 @@ def render(stats: SchedulerStats, errors: dict[int, int], max_batch_size: int, m
                 [("", engine["draft_losses"])])
         _metric(lines, "draft_worker_restarts_total", "counter", "SSD draft workers that took over after a loss.",
                 [("", engine["draft_restarts"])])
+    if engine and "auto_rounds_by_k" in engine:
+        _metric(lines, "auto_rounds_total", "counter", "method=auto: rounds by the draft tokens chosen (0: none).",
+                [(f'{{k="{k}"}}', n) for k, n in engine["auto_rounds_by_k"].items()])
+        _metric(lines, "auto_switches_total", "counter", "method=auto: rounds that changed the draft tokens.",
+                [("", engine["auto_switches"])])
     return "\n".join(lines) + "\n"
