@@ -12,12 +12,12 @@ from saguaro import LLM, SamplingParams
 from saguaro.bench import plan
 from saguaro.config import SpeculativeConfig
 from saguaro.engine import decoders
-from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.speculation.auto import AutoDecoder, Controller, RowCosts
 from saguaro.speculation.build import sd_drafter
 from stats import ks_pvalue, teacher_forced_pit
-from test_exactness import ALPHA, NEW, PROMPT, TINY_K, draft, residual_is_p, sampled, target, tiny_prompts  # noqa: F401
+from test_exactness import (ALPHA, TINY_K, draft, residual_is_p, sampled, target, tiny_outputs,  # noqa: F401
+                             tiny_prompts)
 
 
 def test_row_costs_interpolate_between_measured_row_counts():
@@ -71,12 +71,7 @@ def auto_outputs(target, draft, params, schedule) -> list[list[int]]:
     decoder = AutoDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=TINY_K, prompt_lookup=0)))
     ks = itertools.cycle(schedule)
     decoder.controller.choose = lambda batch: next(ks)
-    seqs = [Sequence(i, prompt, p, []) for i, (prompt, p) in enumerate(zip(tiny_prompts(len(params)), params))]
-    decoder.reserve(len(seqs), len(PROMPT) + 1 + NEW + decoder.lookahead)
-    decoder.prefill(seqs)
-    while active := [s for s in seqs if not s.finished]:
-        decoder.step(active)
-    return [s.output_ids for s in seqs]
+    return tiny_outputs(decoder, params)
 
 
 def auto_pvalue(target, draft, params) -> float:

@@ -218,7 +218,11 @@ def tiny_prompts(rows: int) -> list[list[int]]:
 def sd_outputs(target: LlamaModel, draft: LlamaModel, params: list[SamplingParams],
                prompt_lookup: int | None = None) -> list[list[int]]:
     """One sequence per params, decoded together by SDDecoder, each with its own seed."""
-    decoder = sd_decoder(target, draft, TINY_K, prompt_lookup)
+    return tiny_outputs(sd_decoder(target, draft, TINY_K, prompt_lookup), params)
+
+
+def tiny_outputs(decoder, params: list[SamplingParams]) -> list[list[int]]:
+    """One sequence per params on the tiny prompts, decoded together, each with its own seed."""
     seqs = [Sequence(i, prompt, p, []) for i, (prompt, p) in enumerate(zip(tiny_prompts(len(params)), params))]
     decoder.reserve(len(seqs), len(PROMPT) + 1 + NEW + decoder.lookahead)
     decoder.prefill(seqs)

@@ -14,10 +14,14 @@ def seq(seq_id: int, max_tokens: int) -> Sequence:
     return Sequence(seq_id, [5, 6], SamplingParams(temperature=0, max_tokens=max_tokens), [], CountingTokenizer())
 
 
-def test_a_step_prefills_new_sequences_then_decodes_every_running_one():
+def counting_engine() -> tuple[Engine, CountingDecoder]:
     decoder = CountingDecoder()
     decoder.reserve(4, 64)
-    engine = Engine(decoder)
+    return Engine(decoder), decoder
+
+
+def test_a_step_prefills_new_sequences_then_decodes_every_running_one():
+    engine, decoder = counting_engine()
     first, second = seq(0, 3), seq(1, 2)
     engine.add([first])
     result = engine.step()  # prefill (token 1), then a round (token 2)
@@ -32,9 +36,7 @@ def test_a_step_prefills_new_sequences_then_decodes_every_running_one():
 
 
 def test_abort_drops_waiting_and_running_sequences_and_frees_their_rows():
-    decoder = CountingDecoder()
-    decoder.reserve(4, 64)
-    engine = Engine(decoder)
+    engine, decoder = counting_engine()
     running, waiting = seq(0, 10), seq(1, 10)
     engine.add([running])
     engine.step()
