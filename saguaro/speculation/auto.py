@@ -10,7 +10,7 @@ sequence, a_i the measured chance that draft token i is accepted after the ones 
 t_target(n) is the target's pass over n token rows and t_step(b) one draft step over b
 sequences, both read off the passes measured so far (interpolated in the number of rows, so a
 batch size never seen borrows from its neighbours). Where a choice has run at this batch size,
-its measured rate corrects the prediction (the ratio of the two, averaged). The controller
+its measured rate (over its recent rounds) outweighs the prediction as its rounds add up. The controller
 switches only for a predicted gain of HYSTERESIS, and tries an untried choice that the model
 rates close to the best, so the table fills where it matters.
 
@@ -33,7 +33,9 @@ from saguaro.speculation.sd import SDDecoder
 
 HYSTERESIS = 0.05  # a switch needs this much more predicted throughput
 EXPLORE_WITHIN = 0.85  # an untried choice predicted at least this share of the best is tried once
-EMA = 0.2  # weight of a new measurement
+EMA = 0.2  # weight of a new measurement of a pass's cost
+DECAY = 0.95  # per round of a choice: its measured rate follows about its last 1 / (1 - DECAY) rounds
+PRIOR_ROUNDS = 4.0  # the prediction counts as this many rounds of measurement
 PRIOR_ACCEPTANCE = 0.7  # a_i before any draft token was verified
 
 
@@ -76,7 +78,8 @@ class Controller:
     draft_step: RowCosts = field(default_factory=RowCosts)  # one draft step, by sequences
     accepted: list[int] = field(default_factory=list)  # per draft position: accepted ...
     tried: list[int] = field(default_factory=list)  # ... out of verified
-    measured: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch, K) -> measured / predicted
+    # (batch, K) -> decayed sums of committed tokens, seconds and rounds
+    measured: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     current: int | None = None
     rounds_by_k: Counter = field(default_factory=Counter)
     switches: int = 0
@@ -109,10 +112,13 @@ class Controller:
         return batch * self.expected_tokens(k) / (target + k * step)
 
     def rate(self, batch: int, k: int) -> float | None:
+        """The measured rate at this batch size, shrunk towards the prediction by PRIOR_ROUNDS."""
         predicted = self.predicted_rate(batch, k)
-        if predicted is None:
-            return None
-        return predicted * self.measured.get((batch, k), 1.0)
+        if (batch, k) not in self.measured:
+            return predicted
+        tokens, seconds, rounds = self.measured[(batch, k)]
+        observed = tokens / seconds
+        return observed if predicted is None else (rounds * observed + PRIOR_ROUNDS * predicted) / (rounds + PRIOR_ROUNDS)
 
     def choose(self, batch: int) -> int:
         """AR and the largest K run first, so both costs are measured; then the best rate,
@@ -148,11 +154,9 @@ class Controller:
                 for i in range(min(n + 1, k)):
                     self.tried[i] += 1
                     self.accepted[i] += i < n
-        predicted = self.predicted_rate(batch, k)
-        if predicted:
-            ratio = min(max(committed / (target_s + draft_s) / predicted, 0.5), 2.0)
-            old = self.measured.get((batch, k))
-            self.measured[(batch, k)] = ratio if old is None else old + EMA * (ratio - old)
+        sums = self.measured.setdefault((batch, k), [0.0, 0.0, 0.0])
+        for i, value in enumerate((committed, target_s + draft_s, 1.0)):
+            sums[i] = sums[i] * DECAY + value
 
     def summary(self) -> dict:
         return {"auto_rounds_by_k": dict(sorted(self.rounds_by_k.items())), "auto_switches": self.switches,
