@@ -181,10 +181,7 @@ class AutoDecoder(SDDecoder):
             self.drafter.set_num_tokens(k)
             proposal = self.drafter.propose(seqs)
             drafted = time.perf_counter()
-            committed_before = [len(s) for s in seqs]
-            outcomes = self.verify_and_commit(seqs, proposal.tokens, proposal.probs)
-            self.drafter.rollback([s.seq_id for s in seqs],
-                                  [n + accepted_len for n, (accepted_len, _) in zip(committed_before, outcomes)])
+            outcomes = self.verify_proposal(seqs, proposal)
         verified = time.perf_counter()
         self.controller.record(len(seqs), k, verified - drafted, drafted - started,
                                [accepted_len for accepted_len, _ in outcomes], sum(len(s) for s in seqs) - before)

@@ -7,7 +7,7 @@ import torch
 from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.sequence import Sequence
 from saguaro.models.llama import LlamaModel
-from saguaro.speculation.drafters import Drafter
+from saguaro.speculation.drafters import Drafter, Proposal
 
 
 class SDDecoder(ARDecoder):
@@ -36,8 +36,13 @@ class SDDecoder(ARDecoder):
         self.drafter.prefill(seqs)
 
     def step(self, seqs: list[Sequence]) -> None:
-        proposal = self.drafter.propose(seqs)
+        self.verify_proposal(seqs, self.drafter.propose(seqs))
+
+    def verify_proposal(self, seqs: list[Sequence], proposal: Proposal) -> list[tuple[int, int]]:
+        """Verifies and commits the drafter's proposal; the drafter forgets the rejected tokens.
+        Returns each sequence's (accepted_len, bonus_token)."""
         committed_before = [len(s) for s in seqs]
         outcomes = self.verify_and_commit(seqs, proposal.tokens, proposal.probs)
         self.drafter.rollback([s.seq_id for s in seqs],
                               [n + accepted_len for n, (accepted_len, _) in zip(committed_before, outcomes)])
+        return outcomes
