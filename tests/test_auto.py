@@ -1,22 +1,29 @@
-"""method="auto": the controller's cost model and choices, and exactness when K changes
-between rounds (greedy equality with AR on real prompts, and the distribution test with a
-control that must fail)."""
+"""method="auto": the controller's cost model and choices, and exactness when K and the method
+(AR, SD, SSD) change between rounds (greedy equality with AR on real prompts, and the
+distribution test with a control that must fail)."""
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 
 import pytest
+import torch
 
 from conftest import NEW_TOKENS
+from drafts import InProcessDraft, worker_config
 from saguaro import LLM, SamplingParams
 from saguaro.bench import plan
 from saguaro.config import SpeculativeConfig
 from saguaro.engine import decoders
+from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
-from saguaro.speculation.auto import AutoDecoder, Controller, RowCosts
+from saguaro.models.loader import save_checkpoint
+from saguaro.speculation.auto import SSD, SSD_MIN_ROUNDS, AutoDecoder, Controller, CoreShare, RowCosts
 from saguaro.speculation.build import sd_drafter
+from saguaro.speculation.client import usable_cores
+from saguaro.speculation.ssd import SSDDecoder
 from stats import ks_pvalue, teacher_forced_pit
-from test_exactness import (ALPHA, TINY_K, draft, residual_is_p, sampled, target, tiny_outputs,  # noqa: F401
+from test_exactness import (ALPHA, TINY_K, TINY_V, draft, residual_is_p, sampled, target, tiny_outputs,  # noqa: F401
                              tiny_prompts)
 
 
@@ -46,7 +53,7 @@ def test_controller_speculates_where_it_pays_and_not_where_it_does_not():
     no_pay = Controller(max_k=5)
     measured(no_pay, 12, steep, 0.010, 0.5)
     assert no_pay.choose(12) == 0
-    assert no_pay.summary()["auto_rounds_by_k"] == {0: 1}
+    assert no_pay.summary()["auto_rounds_by_k"] == {"0": 1}
 
 
 def test_controller_keeps_its_choice_within_the_hysteresis():
@@ -66,16 +73,73 @@ def test_controller_measures_ar_and_speculation_before_choosing():
     assert controller.switches == 1
 
 
-def auto_outputs(target, draft, params, schedule) -> list[list[int]]:
-    """Decoded by AutoDecoder with K forced to follow `schedule` round after round."""
-    decoder = AutoDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=TINY_K, prompt_lookup=0)))
-    ks = itertools.cycle(schedule)
-    decoder.controller.choose = lambda batch: next(ks)
-    return tiny_outputs(decoder, params)
+def ssd_rounds(controller: Controller, batch: int, verify_s: float, hit_rate: float, tokens_on_hit: int) -> None:
+    for i in range(10):
+        hits = [(i * batch + j) % 10 < 10 * hit_rate for j in range(batch)]
+        controller.record_ssd(batch, verify_s, 0.0, hits, [tokens_on_hit if hit else 1 for hit in hits])
 
 
-def auto_pvalue(target, draft, params) -> float:
-    outputs = auto_outputs(target, draft, params, [TINY_K, 0, 1])
+def test_controller_takes_ssd_where_its_measured_rate_beats_sd_on_all_cores():
+    flat = lambda rows: 0.020 + 0.0002 * rows  # noqa: E731
+    controller = Controller(max_k=4, ssd_cores_ratio=2.0)
+    measured(controller, 1, flat, 0.004, 0.8)
+    assert controller.predicted_rate(1, SSD) is not None
+    ssd_rounds(controller, 1, verify_s=0.022, hit_rate=0.9, tokens_on_hit=4)  # draft hidden, pass 1.1x slower
+    assert controller.ssd_slowdown == pytest.approx(0.022 / flat(5), rel=0.01)
+    assert controller.choose(1) == SSD
+    for _ in range(SSD_MIN_ROUNDS - 1):
+        assert controller.choose(1) == SSD  # a stint is not cut short
+    slow = Controller(max_k=4, ssd_cores_ratio=2.0)
+    measured(slow, 1, flat, 0.004, 0.8)
+    ssd_rounds(slow, 1, verify_s=0.045, hit_rate=0.5, tokens_on_hit=4)  # one core: twice as slow
+    assert slow.choose(1) != SSD
+
+
+def test_controller_offers_ssd_only_with_a_worker():
+    controller = Controller(max_k=2)
+    assert SSD not in controller.choices()
+    controller.ssd_cores_ratio = 2.0
+    assert controller.choices()[-1] == SSD
+
+
+def test_core_share_gives_the_worker_its_core():
+    share = CoreShare.of("1") if len(CoreShare.of(None).all[0]) > 1 else None
+    if share is None:
+        pytest.skip("one usable core")
+    assert 1 not in share.ssd[0] and share.ssd[1] >= 1 and share.ratio >= 1
+
+
+def auto_decoder(target, draft, schedule, ssd: SSDDecoder | None = None, k: int = TINY_K) -> AutoDecoder:
+    """An AutoDecoder whose choices follow `schedule` round after round (SSD from `ssd`)."""
+    ready = None
+    if ssd is not None:
+        ready = Future()
+        ready.set_result(ssd)
+    decoder = AutoDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k, prompt_lookup=0)),
+                          ready, CoreShare.of(None))
+    choices = itertools.cycle(schedule)
+    decoder.controller.choose = lambda batch: decoder.controller._pick(next(choices))
+    return decoder
+
+
+@pytest.fixture(scope="module")
+def draft_dir(draft, tmp_path_factory):
+    """The tiny draft as a checkpoint folder, which is what SSD's worker loads."""
+    folder = tmp_path_factory.mktemp("auto-draft")
+    save_checkpoint(draft, folder, dtype=torch.float32, share_embeddings=False)
+    return folder
+
+
+def in_process_ssd(target, draft_dir, fan_out: list[int]) -> SSDDecoder:
+    return SSDDecoder(target, InProcessDraft(worker_config(str(draft_dir), "float32", TINY_K, fan_out), None), "neural")
+
+
+SWITCHING = [TINY_K, SSD, SSD, 0, SSD, 1]  # into SSD, on in SSD, out to AR, back into SSD, out to SD
+
+
+def auto_pvalue(target, draft, params, draft_dir=None) -> float:
+    ssd = in_process_ssd(target, draft_dir, [2] * (TINY_K + 1)) if draft_dir else None
+    outputs = tiny_outputs(auto_decoder(target, draft, SWITCHING if ssd else [TINY_K, 0, 1], ssd), params)
     return ks_pvalue(teacher_forced_pit(target, tiny_prompts(len(params)), outputs, params))
 
 
@@ -88,9 +152,50 @@ def test_switching_check_catches_a_broken_acceptance_rule(target, draft, monkeyp
     assert auto_pvalue(target, draft, sampled(1.0)) < ALPHA
 
 
+def test_switching_between_ar_sd_and_ssd_is_exact(target, draft, draft_dir):
+    assert auto_pvalue(target, draft, sampled(1.0, rows=4_000), draft_dir) > ALPHA
+
+
+def test_switching_with_ssd_check_catches_a_broken_acceptance_rule(target, draft, draft_dir, monkeypatch):
+    monkeypatch.setattr(decoders, "verify", residual_is_p)
+    assert auto_pvalue(target, draft, sampled(1.0, rows=4_000), draft_dir) < ALPHA
+
+
+def test_ssd_stints_hand_the_worker_what_it_lacks_and_give_the_cores_back(target, draft, draft_dir):
+    ssd = in_process_ssd(target, draft_dir, [TINY_V - 1] * (TINY_K + 1))  # every bonus cached: hits
+    decoder = auto_decoder(target, draft, [SSD, SSD, SSD, 1], ssd)
+    decoder.cores = CoreShare(decoder.cores.all, (decoder.cores.all[0], 1))
+    rounds, prefilled = [], []  # per round: the torch threads it ran on; the round of each worker prefill
+    send_prefill = ssd.client.prefill
+    ssd.client.prefill = lambda ids, *args: (prefilled.append((len(rounds), list(ids))), send_prefill(ids, *args))
+    step = decoder.step
+
+    def counted_step(seqs):
+        step(seqs)
+        rounds.append((torch.get_num_threads(), dict(ssd.outcomes)))
+    decoder.step = counted_step
+    seqs = [Sequence(i, prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), [])
+            for i, prompt in enumerate(tiny_prompts(3))]
+    decoder.reserve(3, len(seqs[0].prompt_ids) + 40 + decoder.lookahead)
+    decoder.prefill(seqs)
+    while active := [s for s in seqs if not s.finished]:
+        decoder.step(active)
+    assert [threads for threads, _ in rounds[:4]] == [1, 1, 1, decoder.cores.all[1]]  # SSD's cores, then all
+    assert not rounds[3][1]  # leaving SSD: the worker forgot the sequences
+    assert prefilled[0] == (0, [0, 1, 2])
+    assert {at % 4 for at, _ in prefilled} == {0}  # only when a stint begins
+    assert len(prefilled) > 1 and ssd.stats.hit_lengths  # later stints had the worker's cache serve rounds
+
+
 @pytest.fixture(scope="module")
 def auto() -> LLM:
-    return LLM(hub.DEFAULT_MODEL, method="auto", dtype="float32")
+    """auto on the real model, with its SSD worker on the last core (where there are two)."""
+    with LLM(hub.DEFAULT_MODEL, method="auto", dtype="float32") as llm:
+        llm.decoder.wait_for_ssd()
+        yield llm
+
+
+needs_two_cores = pytest.mark.skipif(len(usable_cores()) < 2, reason="SSD's worker needs a core of its own")
 
 
 def test_auto_greedy_equals_ar_on_real_prompts(auto, prompts, ar_greedy):
@@ -101,14 +206,29 @@ def test_auto_greedy_equals_ar_on_real_prompts(auto, prompts, ar_greedy):
     outputs += [auto.generate(prompts[8], params, use_tqdm=False)[0]]
     assert [out.token_ids for out in outputs] == ar_greedy[:9]
     rounds = auto.metrics()["auto_rounds_by_k"]
-    assert rounds.get(0) and sum(n for k, n in rounds.items() if k) > 0  # it ran AR and speculated
+    assert rounds.get("0") and sum(n for k, n in rounds.items() if k != "0") > 0  # it ran AR and speculated
 
 
+@needs_two_cores
 def test_plan_forecasts_each_batch_size_from_the_others_then_measures_it(auto, prompts):
     rows = plan.plan(auto, prompts[:2], [1, 2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    k_max = auto.decoder.controller.max_k
-    assert [(r.batch, r.k) for r in rows] == [(b, k) for b in (1, 2) for k in range(k_max + 1)]
+    choices = auto.decoder.controller.choices()
+    assert SSD in choices  # its worker holds a core of its own (the plan waits for it)
+    assert [(r.batch, r.choice) for r in rows] == [(b, c) for b in (1, 2) for c in choices]
     assert all(r.measured_tok_s > 0 for r in rows)
     assert [sum(r.chosen for r in rows if r.batch == b) for b in (1, 2)] == [1, 1]
     assert all(r.predicted_tok_s is not None for r in rows if r.batch == 2)  # forecast from batch 1
-    assert "| 2 | 0 |" in plan.markdown(rows)
+    assert "| 2 | 0 |" in plan.markdown(rows) and "| 2 | ssd |" in plan.markdown(rows)
+
+
+@needs_two_cores
+def test_auto_greedy_equals_ar_when_it_switches_into_and_out_of_ssd(auto, prompts, ar_greedy):
+    controller = auto.decoder.controller
+    schedule = itertools.cycle([5] + [SSD] * SSD_MIN_ROUNDS + [0] + [SSD] * 3 + [2])
+    controller.choose = lambda batch: controller._pick(next(schedule))
+    try:
+        outputs = auto.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    finally:
+        del controller.choose
+    assert [out.token_ids for out in outputs] == ar_greedy[:4]
+    assert auto.metrics()["cache_hits"] > 0  # SSD rounds ran, and the worker's cache served some

@@ -3,7 +3,8 @@
 For each batch size, the controller's model first predicts every choice's tokens/s from what
 it measured at the batch sizes before (a forecast: nothing at this size is measured yet); then
 each choice runs for real on the same prompts, and its measured rate stands beside the
-prediction. The last column is the controller's choice once everything is measured.
+prediction. The last column is the controller's choice once everything is measured. SSD is
+among the choices where its draft has hardware of its own (the plan waits for its worker).
 """
 from __future__ import annotations
 
@@ -11,58 +12,67 @@ from dataclasses import dataclass
 
 from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
-from saguaro.speculation.auto import AutoDecoder
+from saguaro.speculation.auto import AutoDecoder, Choice
 
 
 @dataclass
 class PlanRow:
     batch: int
-    k: int  # draft tokens per round; 0: no speculation
+    choice: Choice  # draft tokens per round (0: no speculation), or "ssd"
     predicted_tok_s: float | None  # forecast from the other batch sizes' measurements
     measured_tok_s: float
     chosen: bool
 
 
-def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, k: int) -> float:
-    """Committed tokens per second of decoding rounds (prefill left out) with K fixed."""
+def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, choice: Choice) -> float:
+    """Committed tokens per second of the decoding rounds the controller measures (prefill and
+    an SSD stint's first round left out), with its choice fixed."""
     controller = llm.decoder.controller
     committed, seconds = 0, 0.0
-    record = controller.record
+    record, record_ssd = controller.record, controller.record_ssd
 
-    def counting(batch, k_, target_s, draft_s, accepted_lens, tokens):
+    def counting(batch, k, target_s, draft_s, accepted_lens, tokens):
         nonlocal committed, seconds
         committed, seconds = committed + tokens, seconds + target_s + draft_s
-        record(batch, k_, target_s, draft_s, accepted_lens, tokens)
+        record(batch, k, target_s, draft_s, accepted_lens, tokens)
 
-    controller.choose, controller.record = (lambda batch: k), counting
+    def counting_ssd(batch, verify_s, wait_s, hits, tokens):
+        nonlocal committed, seconds
+        committed, seconds = committed + sum(tokens), seconds + verify_s + wait_s
+        record_ssd(batch, verify_s, wait_s, hits, tokens)
+
+    controller.choose = lambda batch: controller._pick(choice)
+    controller.record, controller.record_ssd = counting, counting_ssd
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        del controller.choose, controller.record
+        del controller.choose, controller.record, controller.record_ssd
     return committed / seconds if seconds else 0.0
 
 
 def plan(llm: LLM, prompts: list[list[int]], batch_sizes: list[int], params: SamplingParams) -> list[PlanRow]:
     if not isinstance(llm.decoder, AutoDecoder):
         raise ValueError("saguaro plan profiles method='auto' (it needs a draft)")
+    llm.decoder.wait_for_ssd()
     controller = llm.decoder.controller
     rows = []
     for batch in batch_sizes:
         batch_prompts = (prompts * batch)[:batch]
-        ks = range(controller.max_k + 1)
-        predicted = {k: controller.rate(batch, k) for k in ks}
-        measured = {k: measure(llm, batch_prompts, params, k) for k in ks}
-        rates = {k: controller.rate(batch, k) for k in ks}
-        best = max(rates, key=lambda k: rates[k] or 0.0)
-        rows += [PlanRow(batch, k, predicted[k], measured[k], k == best) for k in ks]
+        choices = controller.choices()
+        predicted = {c: controller.rate(batch, c) for c in choices}
+        measured = {c: measure(llm, batch_prompts, params, c) for c in choices}
+        rates = {c: controller.rate(batch, c) for c in choices}
+        best = max(rates, key=lambda c: rates[c] or 0.0)
+        rows += [PlanRow(batch, c, predicted[c], measured[c], c == best) for c in choices]
     return rows
 
 
 def markdown(rows: list[PlanRow]) -> str:
-    lines = ["| batch | K | predicted tok/s | measured tok/s | chosen |", "|---|---|---|---|---|"]
+    lines = ["| batch | choice | predicted tok/s | measured tok/s | chosen |", "|---|---|---|---|---|"]
     for r in rows:
         predicted = "–" if r.predicted_tok_s is None else f"{r.predicted_tok_s:.1f}"
-        lines.append(f"| {r.batch} | {r.k} | {predicted} | {r.measured_tok_s:.1f} | {'yes' if r.chosen else ''} |")
-    return "\n".join(lines) + "\n\nK: draft tokens per round (0: no speculation); predicted: from the other batch " \
-                              "sizes' measurements, before this size ran; measured: committed tokens per second " \
-                              "of decoding rounds.\n"
+        lines.append(f"| {r.batch} | {r.choice} | {predicted} | {r.measured_tok_s:.1f} | {'yes' if r.chosen else ''} |")
+    return "\n".join(lines) + "\n\nchoice: SD's draft tokens per round on all cores (0: no speculation), or SSD " \
+                              "(its target on the cores its worker leaves); predicted: from the other batch sizes' " \
+                              "measurements, before this size ran; measured: committed tokens per second of decoding " \
+                              "rounds.\n"

@@ -1,35 +1,54 @@
-"""method="auto": each round, speculate only as far as it pays.
+"""method="auto": each round, speculate only as far as it pays, on the cores that pay.
 
 Before every round the controller predicts, at the round's batch size b, the committed tokens
-per second of each choice, no speculation (K = 0) or SD with K = 1..K_max draft tokens:
+per second of each choice: no speculation (K = 0) or SD with K = 1..K_max draft tokens, both on
+all the cores, and, once its draft worker is up, SSD (K_max, with SSD's own fan-out and backup
+planning), whose target keeps only the cores the worker does not hold:
 
-    rate(b, K) = b * E_K / (t_target(b * (K + 1)) + K * t_step(b) + t_catch_up)
+    rate(b, K)   = b * E_K / (t_target(b * (K + 1)) + K * t_step(b))
+    rate(b, SSD) = b * (p E_hit + (1 - p) E_miss) / (s * t_target(b * (K + 1)) + (1 - p) * K * t_step(b))
 
 E_K = 1 + a_1 + a_1 a_2 + ... + a_1...a_K is the expected number of tokens a round commits per
 sequence, a_i the measured chance that draft token i is accepted after the ones before it;
 t_target(n) is the target's pass over n token rows and t_step(b) one draft step over b
 sequences, both read off the passes measured so far (interpolated in the number of rows, so a
-batch size never seen borrows from its neighbours). Where a choice has run at this batch size,
+batch size never seen borrows from its neighbours). For SSD, p is its cache hit rate, E_hit and
+E_miss the tokens a round commits after a hit and after a miss (a miss waits for the backup
+draft), and s how much slower a verification runs on SSD's cores than on all of them:
+sqrt(cores / SSD's cores) until SSD has run (a small model's pass scales sublinearly with threads;
+measured here, 1.47 for 1 core against 2), then measured. Where a choice has run at this batch size,
 its measured rate (over its recent rounds) outweighs the prediction as its rounds add up. The controller
 switches only for a predicted gain of HYSTERESIS, and tries an untried choice that the model
-rates close to the best, so the table fills where it matters.
+rates close to the best, so the table fills where it matters. An SSD stint lasts at least
+SSD_MIN_ROUNDS rounds: its worker first runs what it has not seen, and a first round cannot hit.
 
 Every round commits tokens distributed exactly as the target alone would (AR rounds trivially,
-SD rounds by verification), so switching between rounds keeps the output exact; greedy output
-equals AR's token for token (the target's numerics are batch-invariant).
+SD and SSD rounds by verification), so switching between rounds keeps the output exact; greedy
+output equals AR's token for token (the target's numerics are batch-invariant).
 """
 from __future__ import annotations
 
 import bisect
+import math
 import time
+import warnings
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+import torch
 
 from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.sequence import Sequence
 from saguaro.models.llama import LlamaModel
+from saguaro.speculation.client import use_cores, usable_cores
 from saguaro.speculation.drafters import Drafter
+from saguaro.speculation.protocol import DraftUnavailable
 from saguaro.speculation.sd import SDDecoder
+from saguaro.speculation.ssd import SSDDecoder
+
+SSD = "ssd"  # the controller's choice of an SSD round; the others are K = 0..K_max
+Choice = int | str
 
 HYSTERESIS = 0.05  # a switch needs this much more predicted throughput
 EXPLORE_WITHIN = 0.85  # an untried choice predicted at least this share of the best is tried once
@@ -37,6 +56,8 @@ EMA = 0.2  # weight of a new measurement of a pass's cost
 DECAY = 0.95  # per round of a choice: its measured rate follows about its last 1 / (1 - DECAY) rounds
 PRIOR_ROUNDS = 4.0  # the prediction counts as this many rounds of measurement
 PRIOR_ACCEPTANCE = 0.7  # a_i before any draft token was verified
+PRIOR_HIT_RATE = 0.8  # SSD's cache hit rate before one was measured
+SSD_MIN_ROUNDS = 8  # the shortest SSD stint
 
 
 class RowCosts:
@@ -72,16 +93,21 @@ class RowCosts:
 
 @dataclass
 class Controller:
-    """The cost model and the choice of K per round (0: no speculation)."""
+    """The cost model and the choice of each round: K (0: no speculation) or SSD."""
     max_k: int
-    target: RowCosts = field(default_factory=RowCosts)  # target pass, by token rows
+    target: RowCosts = field(default_factory=RowCosts)  # target pass on all cores, by token rows
     draft_step: RowCosts = field(default_factory=RowCosts)  # one draft step, by sequences
     accepted: list[int] = field(default_factory=list)  # per draft position: accepted ...
     tried: list[int] = field(default_factory=list)  # ... out of verified
-    # (batch, K) -> decayed sums of committed tokens, seconds and rounds
-    measured: dict[tuple[int, int], list[float]] = field(default_factory=dict)
-    current: int | None = None
-    rounds_by_k: Counter = field(default_factory=Counter)
+    # (batch, choice) -> decayed sums of committed tokens, seconds and rounds
+    measured: dict[tuple[int, Choice], list[float]] = field(default_factory=dict)
+    ssd_cores_ratio: float | None = None  # all cores / SSD's target cores; None: no SSD worker (yet)
+    ssd_slowdown: float | None = None  # measured: SSD's verification / the same pass on all cores
+    ssd_hits: list[int] = field(default_factory=lambda: [0, 0])  # sequence rounds that hit, that missed
+    ssd_tokens: list[int] = field(default_factory=lambda: [0, 0])  # ... and the tokens they committed
+    current: Choice | None = None
+    stint: int = 0  # rounds since the last switch
+    rounds_by_choice: Counter = field(default_factory=Counter)
     switches: int = 0
 
     def __post_init__(self):
@@ -103,50 +129,67 @@ class Controller:
             total += run
         return total
 
-    def predicted_rate(self, batch: int, k: int) -> float | None:
+    def predicted_rate(self, batch: int, choice: Choice) -> float | None:
         """Committed tokens per second; None where the model lacks a measurement."""
+        k = self.max_k if choice == SSD else choice
         target = self.target(batch * (k + 1))
         step = self.draft_step(batch) if k else 0.0
         if target is None or step is None:
             return None
-        return batch * self.expected_tokens(k) / (target + k * step)
+        if choice != SSD:
+            return batch * self.expected_tokens(k) / (target + k * step)
+        hits, misses = self.ssd_hits
+        p = (hits + 4 * PRIOR_HIT_RATE) / (hits + misses + 4)
+        e_hit = self.ssd_tokens[0] / hits if hits else self.expected_tokens(k)
+        e_miss = self.ssd_tokens[1] / misses if misses else self.expected_tokens(k)
+        slowdown = self.ssd_slowdown or math.sqrt(self.ssd_cores_ratio)
+        return batch * (p * e_hit + (1 - p) * e_miss) / (slowdown * target + (1 - p) * k * step)
 
-    def rate(self, batch: int, k: int) -> float | None:
+    def rate(self, batch: int, choice: Choice) -> float | None:
         """The measured rate at this batch size, shrunk towards the prediction by PRIOR_ROUNDS."""
-        predicted = self.predicted_rate(batch, k)
-        if (batch, k) not in self.measured:
+        predicted = self.predicted_rate(batch, choice)
+        if (batch, choice) not in self.measured:
             return predicted
-        tokens, seconds, rounds = self.measured[(batch, k)]
+        tokens, seconds, rounds = self.measured[(batch, choice)]
         observed = tokens / seconds
         return observed if predicted is None else (rounds * observed + PRIOR_ROUNDS * predicted) / (rounds + PRIOR_ROUNDS)
 
-    def choose(self, batch: int) -> int:
+    def choices(self) -> list[Choice]:
+        return list(range(self.max_k + 1)) + ([SSD] if self.ssd_cores_ratio else [])
+
+    def choose(self, batch: int) -> Choice:
         """AR and the largest K run first, so both costs are measured; then the best rate,
-        after one try of any untried K the model rates close to it."""
+        after one try of any untried choice the model rates close to it."""
         if self.target(batch) is None:
             return self._pick(0)
         if not self.draft_step.rows:
             return self._pick(self.max_k)
-        rates = {k: self.rate(batch, k) for k in range(self.max_k + 1)}
-        rates = {k: r for k, r in rates.items() if r is not None}
+        choices = self.choices()
+        if self.current == SSD and SSD in choices and self.stint < SSD_MIN_ROUNDS:
+            return self._pick(SSD)
+        rates = {c: self.rate(batch, c) for c in choices}
+        rates = {c: r for c, r in rates.items() if r is not None}
         best = max(rates, key=rates.get)
-        untried = [k for k in rates if (batch, k) not in self.measured and rates[k] >= EXPLORE_WITHIN * rates[best]]
+        untried = [c for c in rates if (batch, c) not in self.measured and rates[c] >= EXPLORE_WITHIN * rates[best]]
         if untried:
             return self._pick(max(untried, key=rates.get))
         if self.current in rates and rates[best] <= rates[self.current] * (1 + HYSTERESIS):
             return self._pick(self.current)
         return self._pick(best)
 
-    def _pick(self, k: int) -> int:
-        if self.current is not None and k != self.current:
+    def _pick(self, choice: Choice) -> Choice:
+        if self.current is not None and choice != self.current:
             self.switches += 1
-        self.current = k
-        self.rounds_by_k[k] += 1
-        return k
+            self.stint = 0
+        self.current = choice
+        self.stint += 1
+        self.rounds_by_choice[choice] += 1
+        return choice
 
     def record(self, batch: int, k: int, target_s: float, draft_s: float, accepted_lens: list[int],
                committed: int) -> None:
-        """One round: its passes' times, each sequence's accepted drafts, the tokens it committed."""
+        """One AR or SD round: its passes' times, each sequence's accepted drafts, the tokens it
+        committed."""
         self.target.add(batch * (k + 1), target_s)
         if k:
             self.draft_step.add(batch, draft_s / k)
@@ -154,37 +197,174 @@ class Controller:
                 for i in range(min(n + 1, k)):
                     self.tried[i] += 1
                     self.accepted[i] += i < n
-        sums = self.measured.setdefault((batch, k), [0.0, 0.0, 0.0])
-        for i, value in enumerate((committed, target_s + draft_s, 1.0)):
+        self._measure(batch, k, committed, target_s + draft_s)
+
+    def record_ssd(self, batch: int, verify_s: float, wait_s: float, hits: list[bool | None],
+                   committed: list[int]) -> None:
+        """One SSD round after the first of its stint: per sequence, whether the worker had its
+        speculation cached (None: its first round) and the tokens it committed."""
+        full = self.target(batch * (self.max_k + 1))
+        if full:
+            slowdown = verify_s / full
+            self.ssd_slowdown = slowdown if self.ssd_slowdown is None else \
+                self.ssd_slowdown + EMA * (slowdown - self.ssd_slowdown)
+        for hit, tokens in zip(hits, committed):
+            if hit is not None:
+                self.ssd_hits[not hit] += 1
+                self.ssd_tokens[not hit] += tokens
+        self._measure(batch, SSD, sum(committed), verify_s + wait_s)
+
+    def _measure(self, batch: int, choice: Choice, committed: int, seconds: float) -> None:
+        sums = self.measured.setdefault((batch, choice), [0.0, 0.0, 0.0])
+        for i, value in enumerate((committed, seconds, 1.0)):
             sums[i] = sums[i] * DECAY + value
 
     def summary(self) -> dict:
-        return {"auto_rounds_by_k": dict(sorted(self.rounds_by_k.items())), "auto_switches": self.switches,
-                "auto_acceptance": [round(a, 3) for a in self.acceptance()]}
+        return {"auto_rounds_by_k": {str(c): n for c, n in self.rounds_by_choice.items()},
+                "auto_switches": self.switches, "auto_acceptance": [round(a, 3) for a in self.acceptance()],
+                "auto_ssd_slowdown": self.ssd_slowdown}
+
+
+@dataclass
+class CoreShare:
+    """The cores and threads the target runs on: all of them for AR and SD, fewer for SSD
+    where its draft worker holds one of this machine's cores."""
+    all: tuple[set[int], int]
+    ssd: tuple[set[int], int]
+
+    @classmethod
+    def of(cls, worker_cpus: str | None) -> CoreShare:
+        everything = usable_cores(), torch.get_num_threads()
+        if worker_cpus is None:  # the worker is elsewhere: SSD keeps every core
+            return cls(everything, everything)
+        rest = everything[0] - {int(c) for c in worker_cpus.split(",")}
+        return cls(everything, (rest, max(1, min(everything[1], len(rest)))))
+
+    @property
+    def ratio(self) -> float:
+        return self.all[1] / self.ssd[1]
 
 
 class AutoDecoder(SDDecoder):
-    """SD whose K the Controller picks each round, K = 0 being a plain AR round."""
+    """SD whose K the Controller picks each round, K = 0 being a plain AR round; and, once `ssd`
+    (a decoder whose worker is starting in the background) is ready, SSD rounds on the same
+    target KV cache, on the cores `cores.ssd`."""
 
-    def __init__(self, target: LlamaModel, drafter: Drafter):
+    def __init__(self, target: LlamaModel, drafter: Drafter, ssd: Future[SSDDecoder] | None = None,
+                 cores: CoreShare | None = None):
         super().__init__(target, drafter)
         self.controller = Controller(drafter.k)
+        self.ssd_starting, self.ssd, self.cores = ssd, None, cores
+        self.on_ssd_cores = False
 
     def step(self, seqs: list[Sequence]) -> None:
-        k = self.controller.choose(len(seqs))
+        self._adopt_ssd()
+        choice = self.controller.choose(len(seqs))
+        if choice == SSD:
+            return self._ssd_step(seqs)
+        self._leave_ssd()
         before = sum(len(s) for s in seqs)
         started = time.perf_counter()
-        if k == 0:
+        if choice == 0:
             ARDecoder.step(self, seqs)
             drafted, outcomes = started, []
         else:
-            self.drafter.set_num_tokens(k)
+            self.drafter.set_num_tokens(choice)
             proposal = self.drafter.propose(seqs)
             drafted = time.perf_counter()
             outcomes = self.verify_proposal(seqs, proposal)
         verified = time.perf_counter()
-        self.controller.record(len(seqs), k, verified - drafted, drafted - started,
+        self.controller.record(len(seqs), choice, verified - drafted, drafted - started,
                                [accepted_len for accepted_len, _ in outcomes], sum(len(s) for s in seqs) - before)
 
+    def _adopt_ssd(self) -> None:
+        """Takes the SSD decoder once its worker is up (a worker that failed to start leaves
+        auto without SSD, with a warning); SSD is no choice while a lost worker is replaced."""
+        if self.ssd is not None:
+            restarted = self.ssd.restart is not None and self.ssd.restart.done()
+            self.controller.ssd_cores_ratio = None if self.ssd.draft_lost and not restarted else self.cores.ratio
+        if self.ssd_starting is None or not self.ssd_starting.done():
+            return
+        starting, self.ssd_starting = self.ssd_starting, None
+        try:
+            self.ssd = starting.result()
+        except Exception as e:
+            warnings.warn(f"method=auto continues without SSD: its draft worker did not start ({e})", RuntimeWarning)
+            return
+        self.controller.ssd_cores_ratio = self.cores.ratio
+
+    def wait_for_ssd(self) -> None:
+        """Blocks until SSD's worker is up (or failed to start)."""
+        if self.ssd_starting is not None:
+            try:
+                self.ssd_starting.result()
+            except Exception:
+                pass  # _adopt_ssd warns
+            self._adopt_ssd()
+
+    def _ssd_step(self, seqs: list[Sequence]) -> None:
+        """One SSD round on this decoder's KV cache. The worker first gets the sequences it
+        does not know, from their committed tokens (their first round cannot hit)."""
+        ssd = self.ssd
+        ssd.cache, ssd.rows = self.cache, self.rows
+        if not self.on_ssd_cores:
+            use_cores(*self.cores.ssd)
+            self.on_ssd_cores = True
+        new = [s for s in seqs if s.seq_id not in ssd.outcomes]
+        if new and not ssd.draft_lost:
+            for seq in new:
+                ssd.outcomes[seq.seq_id] = None
+            try:
+                ssd.client.prefill([s.seq_id for s in new], [s.token_ids for s in new], [s.params for s in new],
+                                   self.cache.num_slots - 1, self.cache.num_rows)
+            except DraftUnavailable as e:
+                ssd._lose_draft(e)
+        first = [ssd.outcomes.get(s.seq_id) is None for s in seqs]
+        before = [len(s) for s in seqs]
+        rounds = len(ssd.stats.verify_s)
+        ssd.step(seqs)
+        if len(ssd.stats.verify_s) > rounds and self.controller.stint > 1:  # a measured SSD round
+            hits = [None if was_first else s.stats.cache_hits[-1] for s, was_first in zip(seqs, first)]
+            self.controller.record_ssd(len(seqs), ssd.stats.verify_s[-1], ssd.stats.wait_s[-1], hits,
+                                       [len(s) - n for s, n in zip(seqs, before)])
+
+    def _leave_ssd(self) -> None:
+        """After SSD rounds: the worker forgets its sequences (they are stale from here) and
+        the target gets all the cores back."""
+        if not self.on_ssd_cores:
+            return
+        use_cores(*self.cores.all)
+        self.on_ssd_cores = False
+        ids = list(self.ssd.outcomes)
+        self.ssd.outcomes.clear()
+        self._release_at_worker(ids)
+
+    def _release_at_worker(self, seq_ids: list[int]) -> None:
+        if not self.ssd.draft_lost:
+            try:
+                self.ssd.client.release(seq_ids)
+            except DraftUnavailable as e:
+                self.ssd._lose_draft(e)
+
+    def release(self, seqs: list[Sequence]) -> None:
+        super().release(seqs)
+        if self.ssd is not None:
+            known = [s.seq_id for s in seqs if s.seq_id in self.ssd.outcomes]
+            for seq_id in known:
+                del self.ssd.outcomes[seq_id]
+            if known:
+                self._release_at_worker(known)
+
     def metrics(self) -> dict:
-        return self.controller.summary()
+        return {**self.controller.summary(), **(self.ssd.metrics() if self.ssd is not None else {})}
+
+    def close(self) -> None:
+        """Stops the SSD worker (or its start) and gives the target all the cores back."""
+        if self.ssd_starting is not None and not self.ssd_starting.cancel():
+            self._adopt_ssd()
+        if self.ssd is not None:
+            self.ssd.close()
+            self.ssd = None
+        if self.on_ssd_cores:
+            use_cores(*self.cores.all)
+            self.on_ssd_cores = False

@@ -1,6 +1,8 @@
 """The decoder a SpeculativeConfig describes: AR, SD with its drafter, or SSD with its worker."""
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,8 +11,8 @@ from saguaro.engine.decoders import ARDecoder, Decoder
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
 from saguaro.models.loader import IncompatibleDraftError, load_draft
-from saguaro.speculation.auto import AutoDecoder
-from saguaro.speculation.client import DraftClient, WorkerConfig, split_cores, use_cores
+from saguaro.speculation.auto import AutoDecoder, CoreShare
+from saguaro.speculation.client import DraftClient, WorkerConfig, split_cores, usable_cores, use_cores
 from saguaro.speculation.drafters import Drafter, PromptLookupDrafter, model_drafter
 from saguaro.speculation.planning import GeometricPlan, geometric_fan_out, uniform_fan_out
 from saguaro.speculation.sd import SDDecoder
@@ -43,6 +45,46 @@ def fan_out_plan(spec: SpeculativeConfig) -> tuple[list[int], GeometricPlan | No
     return list(spec.fan_out), None
 
 
+def ssd_decoder(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: str | None) -> SSDDecoder:
+    """SSD with a new draft worker (pinned to `cpus` on this machine)."""
+    fan_out, plan = fan_out_plan(spec)
+    config = WorkerConfig(replace(spec, draft=str(path), fan_out=fan_out), str(target.dtype).removeprefix("torch."),
+                          cpus)
+    client = DraftClient(config, target.embed_tokens.weight.detach().cpu(), str(target.device))
+    if client.ready.vocab_size != target.config.vocab_size:
+        client.close()
+        raise IncompatibleDraftError(f"the draft's vocabulary ({client.ready.vocab_size} tokens) does not "
+                                     f"match the target's ({target.config.vocab_size})")
+    return SSDDecoder(target, client, spec.backup, plan)
+
+
+def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path) -> tuple[Future[SSDDecoder], CoreShare] | None:
+    """SSD for method="auto", its worker starting on a thread of its own while auto decodes
+    without it: on the draft's own device or host, or on this machine's last core where it has
+    two or more (None where SSD has no hardware of its own)."""
+    elsewhere = spec.draft_address is not None or spec.draft_device != "cpu"
+    cores = sorted(usable_cores())
+    if not elsewhere and (target.device.type != "cpu" or len(cores) < 2):
+        return None
+    cpus = None if elsewhere else str(cores[-1])
+    future: Future[SSDDecoder] = Future()
+
+    def start() -> None:
+        try:
+            decoder = ssd_decoder(target, spec, path, cpus)
+        except Exception as e:
+            if not future.cancelled():
+                future.set_exception(e)
+            return
+        try:
+            future.set_result(decoder)
+        except InvalidStateError:  # auto closed meanwhile
+            decoder.close()
+
+    threading.Thread(target=start, name="saguaro-auto-ssd", daemon=True).start()
+    return future, CoreShare.of(cpus)
+
+
 def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str) -> Decoder:
     """model: the target's name or path, which picks its shipped draft."""
     if spec.method == "ar":
@@ -53,21 +95,15 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str) -> Dec
     if spec.method == "sd":
         return SDDecoder(target, sd_drafter(load_draft(path, target), spec))
     if spec.method == "auto":
-        return AutoDecoder(target, sd_drafter(load_draft(path, target), spec))
-    fan_out, plan = fan_out_plan(spec)
-    worker_spec = replace(spec, draft=str(path), fan_out=fan_out)
+        drafter = sd_drafter(load_draft(path, target), spec)
+        ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path)
+        return AutoDecoder(target, drafter, *(ssd or ()))
     cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device)
-    config = WorkerConfig(worker_spec, str(target.dtype).removeprefix("torch."), cpus)
     try:
-        client = DraftClient(config, target.embed_tokens.weight.detach().cpu(), str(target.device))
-        if client.ready.vocab_size != target.config.vocab_size:
-            client.close()
-            raise IncompatibleDraftError(f"the draft's vocabulary ({client.ready.vocab_size} tokens) does not "
-                                         f"match the target's ({target.config.vocab_size})")
+        decoder = ssd_decoder(target, spec, path, cpus)
     except BaseException:
         if cores_before is not None:
             use_cores(*cores_before)
         raise
-    decoder = SSDDecoder(target, client, spec.backup, plan)
     decoder.cores_before = cores_before
     return decoder
