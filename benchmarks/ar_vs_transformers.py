@@ -86,7 +86,7 @@ def run(num_prompts: int, new_tokens: int) -> dict:
     torch.set_num_threads(1)
     engines = {}
     for name, dtype in DTYPES.items():
-        engines[("saguaro", name)] = LLM(hub.DEFAULT_MODEL, dtype=dtype)
+        engines[("saguaro", name)] = LLM(hub.DEFAULT_MODEL, method="ar", dtype=dtype)
         engines[("transformers", name)] = peers.load_target(hub.resolve(hub.DEFAULT_MODEL), dtype)
     reference = engines[("saguaro", "fp32")]
     prompts = load_prompts(reference, num_prompts)

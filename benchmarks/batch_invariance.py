@@ -62,7 +62,7 @@ def agreement(args: argparse.Namespace) -> None:
     print(f"{args.dtype}, {len(prompts)} held-out prompts x {args.max_tokens} tokens, greedy")
     print("| invariance | method | prompts equal to AR | first divergence (token) |\n|---|---|---|---|")
     for on in (True, False):
-        ar = LLM(args.model, dtype=args.dtype, batch_invariant=on)
+        ar = LLM(args.model, method="ar", dtype=args.dtype, batch_invariant=on)
         expected = [o.token_ids for o in ar.generate(prompts, params, use_tqdm=False)]
         for method in ("sd", "ssd"):
             with LLM(args.model, method=method, dtype=args.dtype, batch_invariant=on) as llm:

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="AR, SD, SSD and transformers side by side "
                                 "(writes bench.json, bench.md and plots)")
     bench.add_argument("--model", default=hub.DEFAULT_MODEL)
-    bench.add_argument("--methods", default="ar,sd,ssd,hf,hf-assisted",
+    bench.add_argument("--methods", default="ar,sd,ssd,auto,hf,hf-assisted",
                        help="of ar, sd, ssd, auto, hf (transformers generate), hf-assisted (with the draft as assistant)")
     bench.add_argument("--datasets", default="humaneval", help="of humaneval, sharegpt (held-out first turns), random")
     bench.add_argument("--num-prompts", type=int, default=10)
@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-sizes", default="1,4,8")
     bench.add_argument("--fan-out-sweep", default="", help="also: SSD hit rate for these uniform fan-outs, e.g. 1,2,4,8")
     bench.add_argument("--dtype", default="bfloat16")
+    bench.add_argument("--threads", type=int, help="torch threads of AR, SD, auto and transformers (default: every "
+                       "core, as SSD's target and draft use together; 1: one core per model)")
     bench.add_argument("--no-chat-template", action="store_true", help="raw prompts (default: chat template applied)")
     bench.add_argument("--no-ignore-eos", action="store_true", help="stop at end-of-sequence (default: decode max tokens)")
     bench.add_argument("--quick", action="store_true",
@@ -67,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="prompts (sharegpt: held-out first turns) (default: %(default)s)")
     plan.add_argument("--max-tokens", type=int, default=64, help="per request and choice (default: %(default)s)")
     plan.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
-    add_llm_arguments(plan, method_default="auto")
+    add_llm_arguments(plan)
     commands.add_parser("serve", add_help=False,
                         help="serve a model over an OpenAI-compatible HTTP API (saguaro serve --help)")
     return parser
@@ -113,7 +115,7 @@ def run_bench(args: argparse.Namespace) -> int:
         datasets=args.datasets.split(","), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
         temperatures=numbers(args.temperatures, float), batch_sizes=numbers(args.batch_sizes, int),
         fan_out_sweep=numbers(args.fan_out_sweep, int), dtype=args.dtype, chat_template=not args.no_chat_template,
-        ignore_eos=not args.no_ignore_eos)
+        ignore_eos=not args.no_ignore_eos, threads=args.threads)
     if args.quick:
         bench_config = bench.quick(bench_config)
     result = bench.run(bench_config, args.out)

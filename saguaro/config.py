@@ -16,10 +16,12 @@ def _option(default, help: str, flag: str | None = None, group: str = "speculati
 
 @dataclass
 class SpeculativeConfig:
-    """What the draft is and how it speculates. With method "ar" the rest is ignored."""
-    method: str = _option("ar", "ar (autoregressive), sd (draft in this process), ssd (draft in its own "
-                                "process, overlapping verification) or auto (each round AR or SD with the K "
-                                "that pays, measured as it runs)", choices=METHODS)
+    """What the draft is and how it speculates. With method "ar" the rest is ignored. The default,
+    "auto", speculates where it pays, with the target's shipped draft where it has one."""
+    method: str = _option("auto", "ar (autoregressive), sd (draft in this process), ssd (draft in its own "
+                                  "process, overlapping verification) or auto (each round AR, SD with the K "
+                                  "that pays, or SSD where its draft has a core of its own, measured as it "
+                                  "runs; AR where the target has no draft)", choices=METHODS)
     draft: str | None = _option(None, "draft model: a known name or a checkpoint path (default: the target's "
                                       "shipped draft)")
     num_speculative_tokens: int = _option(5, "draft tokens per round (K; auto: the most)", flag="-k")

@@ -29,7 +29,8 @@ class LLM:
     num_speculative_tokens=5). method "ar" decodes autoregressively, "sd" with the draft in this
     process, "ssd" with the draft in its own worker process, which is replaced in the background
     if it dies or stops answering (decoding goes on without it meanwhile; metrics() counts
-    losses and restarts).
+    losses and restarts), and "auto" (the default) picks AR, SD or SSD round by round where a
+    draft exists (AR where none does).
     batch_invariant: each position's logits bit-identical however many tokens and requests share
     the target's pass (saguaro.models.invariant), so that greedy SD and SSD equal AR in every
     dtype and at every batch size; False trades that for the library kernels' own speed.
@@ -131,9 +132,8 @@ class LLM:
             metrics=RequestMetrics.of(seq.stats, len(seq.output_ids), self.decoder.num_speculative_tokens))
 
 
-def add_llm_arguments(parser: argparse.ArgumentParser, method_default: str | None = None) -> None:
-    """LLM's options on a command line: the target's, then SpeculativeConfig's. method_default
-    None: sd when a --draft is given, else ar."""
+def add_llm_arguments(parser: argparse.ArgumentParser) -> None:
+    """LLM's options on a command line: the target's, then SpeculativeConfig's."""
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=hub.DEFAULT_MODEL, help="a known name or a checkpoint path (default: %(default)s)")
     group.add_argument("--dtype", default="auto", help="auto (bf16), bf16, fp16 or fp32 (default: %(default)s)")
@@ -142,11 +142,10 @@ def add_llm_arguments(parser: argparse.ArgumentParser, method_default: str | Non
     group.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                        help="each position's logits independent of what shares its pass, so greedy SD/SSD "
                             "equal AR in every dtype (default: on)")
-    add_speculative_arguments(parser, defaults={"method": (method_default, method_default or "sd with --draft, else ar")})
+    add_speculative_arguments(parser)
 
 
 def llm_from_args(args: argparse.Namespace) -> LLM:
     """The LLM the options of add_llm_arguments describe."""
-    spec = speculative_config_from_args(args, method=args.method or ("sd" if args.draft else "ar"))
-    return LLM(args.model, spec, device=args.device, dtype=args.dtype, num_threads=args.threads,
+    return LLM(args.model, speculative_config_from_args(args), device=args.device, dtype=args.dtype, num_threads=args.threads,
                batch_invariant=args.batch_invariant)

@@ -20,7 +20,7 @@ def llm():
     """The embedded default target in fp32, where greedy near-ties are rare (docs/DESIGN.md, section 4)."""
     from saguaro import LLM
 
-    return LLM("smollm2", dtype="float32")
+    return LLM("smollm2", method="ar", dtype="float32")
 
 
 @pytest.fixture(scope="session")

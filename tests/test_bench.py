@@ -53,7 +53,8 @@ def test_summary_ratios_compare_medians_of_the_same_group():
     def rec(method, rate, prompt, temperature=0.0):
         return {"method": method, "dataset": "d", "temperature": temperature, "batch": 1, "prompt": prompt,
                 "batch_wall_s": 1.0, "batch_tokens": rate, "decode_tokens_per_s": rate, "ttft_s": 0.1,
-                "mean_acceptance_length": None, "per_position_acceptance": None, "cache_hit_rate": None}
+                "mean_acceptance_length": None, "per_position_acceptance": None, "cache_hit_rate": None,
+                "cores": 2 if method == "ssd" else 1}
 
     records = [rec("ar", 10, 0), rec("ar", 12, 1), rec("ar", 50, 2), rec("ssd", 30, 0), rec("ssd", 36, 1),
                rec("ssd", 1, 2), rec("sd", 20, 0), rec("sd", 20, 1), rec("sd", 20, 2), rec("ar", 99, 0, 0.7)]
@@ -71,8 +72,10 @@ def test_quick_bench_writes_valid_output(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((out / "bench.json").read_text())
-    methods = {"ar", "sd", "ssd", "hf", "hf-assisted"}
+    methods = {"ar", "sd", "ssd", "auto", "hf", "hf-assisted"}
     assert {r["method"] for r in data["records"]} == methods
+    threads = data["environment"]["torch_threads"]
+    assert {r["cores"] for r in data["records"] if r["method"] in ("ar", "sd", "hf")} == {threads}  # every core
     assert all(r["num_output_tokens"] == 16 and r["decode_tokens_per_s"] > 0 for r in data["records"])
     assert {r["method"] for r in data["summary"] if r["batch"] == 2} == methods - {"hf-assisted"}
     ssd = [r for r in data["summary"] if r["method"] == "ssd"]

@@ -47,7 +47,7 @@ def test_generate_streams_one_prompt(llm, loads, capsys):
     assert main(["generate", "--temperature", "0", "--max-tokens", "6", "--threads", "1", "Once upon a time"]) == 0
     assert capsys.readouterr().out == greedy(llm, "Once upon a time") + "\n"
     assert len(loads) == 1 and {k: loads[0][k] for k in ("model", "draft", "method", "device", "dtype", "num_threads")} == {
-        "model": "smollm2", "draft": None, "method": "ar", "device": "cpu", "dtype": "auto", "num_threads": 1}
+        "model": "smollm2", "draft": None, "method": "auto", "device": "cpu", "dtype": "auto", "num_threads": 1}
 
 
 def test_ssd_options_reach_the_engine(loads, capsys):
@@ -80,9 +80,9 @@ def test_generate_prints_the_whole_reply_after_multi_byte_characters(llm, loads,
     assert "🌵" in reply and capsys.readouterr().out == reply + "\n"
 
 
-def test_draft_selects_speculative_decoding(loads, capsys):
+def test_a_draft_is_used_by_the_default_method(loads, capsys):
     main(["generate", "--draft", "some/draft", "-k", "3", "--max-tokens", "2", "x"])
-    assert loads[0]["method"] == "sd" and loads[0]["draft"] == "some/draft" and loads[0]["num_speculative_tokens"] == 3
+    assert loads[0]["method"] == "auto" and loads[0]["draft"] == "some/draft" and loads[0]["num_speculative_tokens"] == 3
 
 
 def test_chat_keeps_history(llm, loads, capsys, monkeypatch):

@@ -32,8 +32,8 @@ def test_command_defaults_are_the_config_defaults():
     args = build_serve_parser().parse_args([])
     assert speculative_config_from_args(args) == SpeculativeConfig()
     cli = build_parser().parse_args(["generate", "hi"])
-    assert cli.method is None  # the CLI picks sd when a --draft is given, else ar
-    assert speculative_config_from_args(cli, method="ar") == SpeculativeConfig()
+    assert speculative_config_from_args(cli) == SpeculativeConfig()
+    assert SpeculativeConfig().method == "auto"
 
 
 def test_of_takes_a_config_a_dict_or_keywords():

@@ -104,7 +104,7 @@ def heldout(prompts) -> list[list[int]]:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_sd_and_ssd_greedy_equal_ar_in_half_precision(heldout, dtype):
     params = SamplingParams(temperature=0, max_tokens=48)
-    ar = LLM(hub.DEFAULT_MODEL, dtype=dtype)
+    ar = LLM(hub.DEFAULT_MODEL, method="ar", dtype=dtype)
     expected = [o.token_ids for o in ar.generate(heldout, params, use_tqdm=False)]  # one batch of 8
     sd = LLM(hub.DEFAULT_MODEL, method="sd", dtype=dtype, num_speculative_tokens=5)
     for batch in (1, 4):

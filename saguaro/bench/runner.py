@@ -1,9 +1,10 @@
 """Runs every method on the same target, draft and prompts, interleaved.
 
 Methods take turns batch by batch (the order rotates), so drift of a shared, noisy machine
-hits them alike. All in-process decoding (AR, SD, SSD's target side, transformers) runs on
-the same cores; SSD's draft worker gets a core of its own, and `tokens/s per device` charges
-it for that.
+hits them alike. By default every method has the same hardware, all the cores: AR, SD, auto and
+transformers run on all of them, SSD's target on all but the one its draft worker holds.
+`threads` gives AR, SD and transformers fewer (1: the old one-core-per-model comparison).
+`tokens/s per device` divides by the cores a method held.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from saguaro.llm import LLM
 from saguaro.models import hub
 from saguaro.models.loader import load_draft
 from saguaro.speculation.auto import AutoDecoder
-from saguaro.speculation.build import draft_path, sd_drafter
+from saguaro.speculation.build import auto_ssd, draft_path, sd_drafter
+from saguaro.speculation.client import usable_cores, use_cores
 from saguaro.speculation.sd import SDDecoder
 from saguaro.speculation.ssd import SSDStats
 
@@ -51,6 +53,7 @@ class BenchConfig:
     chat_template: bool = True
     ignore_eos: bool = True  # every request decodes max_tokens: equal work for every method
     seed: int = 0
+    threads: int | None = None  # torch threads of AR, SD, auto and transformers (None: every core)
 
     def __post_init__(self):
         unknown = set(self.methods) - set(METHODS) | set(self.datasets) - set(DATASETS)
@@ -84,25 +87,48 @@ def bench_prompts(llm: LLM, dataset: str, config: BenchConfig) -> list[list[int]
     return [llm.encode(t) for t in texts]
 
 
-def build_engines(llm: LLM, config: BenchConfig) -> dict:
-    """name -> generate(prompts, params) -> per-request records. One saguaro target is shared by
-    AR, SD and SSD (whose decoder is the LLM's own: it owns the worker)."""
+@dataclass
+class Engines:
+    generate: dict  # name -> generate(prompts, params) -> per-request records, on the method's cores
+    held: dict[str, int]  # name -> the cores it holds
+    auto: AutoDecoder | None  # which has a worker of its own to stop
+
+    def close(self) -> None:
+        if self.auto is not None:
+            self.auto.close()
+
+
+def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int], int]]) -> Engines:
+    """One saguaro target is shared by AR, SD, auto and SSD (whose decoder is the LLM's own: it
+    owns the worker). cores: "all" and "ssd" (affinity, threads)."""
     spec = config.speculative
     needs_draft = {"sd", "auto", "hf-assisted"} & set(config.methods)
-    draft = load_draft(draft_path(spec, config.model), llm.target) if needs_draft else None
+    path = draft_path(spec, config.model) if needs_draft else None
+    draft = load_draft(path, llm.target) if needs_draft else None
+    use_cores(*cores["all"])  # auto's SSD shares out what it finds
+    ssd = auto_ssd(llm.target, spec, path) if "auto" in config.methods and not draft.reads_features else None
     decoders = {"ar": ARDecoder(llm.target) if "ar" in config.methods else None,
                 "sd": SDDecoder(llm.target, sd_drafter(draft, spec)) if "sd" in config.methods else None,
-                "auto": AutoDecoder(llm.target, sd_drafter(draft, spec)) if "auto" in config.methods else None,
+                "auto": AutoDecoder(llm.target, sd_drafter(draft, spec), *(ssd or ())) if "auto" in config.methods
+                else None,
                 "ssd": llm.decoder if "ssd" in config.methods else None}
+    if ssd:
+        decoders["auto"].wait_for_ssd()
+    held = {name: cores["all"][1] for name in config.methods}
+    if "ssd" in held:
+        held["ssd"] = cores["ssd"][1] + (spec.draft_device == "cpu" and not spec.draft_address)
+    if ssd and ssd[1].all != ssd[1].ssd:
+        held["auto"] = max(held["auto"], ssd[1].ssd[1] + 1)
 
-    def saguaro_engine(engine: Engine):
+    def saguaro_engine(name: str, engine: Engine):
         def generate(prompts, params):
+            use_cores(*cores[name if name == "ssd" else "all"])
             llm.engine = engine
             outputs = llm.generate(prompts, params, use_tqdm=False)
             return [asdict(out.metrics) for out in outputs]
         return generate
 
-    engines = {name: saguaro_engine(Engine(d)) for name, d in decoders.items() if d is not None}
+    engines = {name: saguaro_engine(name, Engine(d)) for name, d in decoders.items() if d is not None}
     assisted = "hf-assisted" in config.methods
     if assisted and draft.reads_features:
         warnings.warn("hf-assisted skipped: transformers' assisted generation cannot run an EAGLE draft, "
@@ -112,12 +138,17 @@ def build_engines(llm: LLM, config: BenchConfig) -> dict:
         hf_target = peers.load_target(hub.resolve(config.model), llm.dtype)
         assistant = peers.as_transformers(draft) if assisted else None
         pad_id = llm.eos_token_ids[0]
+        def transformers_engine(helper):
+            def generate(prompts, params):
+                use_cores(*cores["all"])
+                return [{k: v for k, v in r.items() if k != "token_ids"}
+                        for r in peers.generate(hf_target, prompts, params, pad_id, helper, spec.num_speculative_tokens)]
+            return generate
+
         for name, helper in (("hf", None), ("hf-assisted", assistant)):
             if name in config.methods and (name == "hf" or assisted):
-                engines[name] = lambda prompts, params, helper=helper: [
-                    {k: v for k, v in r.items() if k != "token_ids"}
-                    for r in peers.generate(hf_target, prompts, params, pad_id, helper, spec.num_speculative_tokens)]
-    return {name: engines[name] for name in config.methods if name in engines}
+                engines[name] = transformers_engine(helper)
+    return Engines({name: engines[name] for name in config.methods if name in engines}, held, decoders["auto"])
 
 
 def runnable(method: str, batch: int) -> bool:
@@ -130,17 +161,18 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
         report.require_matplotlib()
     torch.manual_seed(config.seed)
     method = "ssd" if "ssd" in config.methods else "ar"  # the LLM's own decoder: SSD's owns the worker
+    everything = usable_cores(), config.threads or torch.get_num_threads()
     llm = LLM(config.model, replace(config.speculative, method=method), dtype=config.dtype)
-    if method != "ssd":
-        torch.set_num_threads(1)
+    cores = {"all": everything, "ssd": (usable_cores(), torch.get_num_threads())}  # SSD's split, if any
     llm_engine = llm.engine  # SSD's own: it owns the worker, which close() stops
     ssd_decoder = llm.decoder if method == "ssd" else None
     steps = [(d, t, b, i) for d in config.datasets for t in config.temperatures for b in config.batch_sizes
              for i in range(0, config.num_prompts, b)]
     sweep_runs = len(config.fan_out_sweep) * config.num_prompts
-    records, engine_stats = [], {}
+    records, engine_stats, built = [], {}, None
     try:
-        engines = build_engines(llm, config)
+        built = build_engines(llm, config, cores)
+        engines, held = built.generate, built.held
         prompts = {d: bench_prompts(llm, d, config) for d in config.datasets}
         total = sum(runnable(m, b) for _, _, b, _ in steps for m in engines) + sweep_runs
         with tqdm(total=total, desc="bench", unit="run") as bar:
@@ -158,17 +190,21 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
                     wall = time.perf_counter() - began
                     for j, result in enumerate(results):
                         records.append({"method": name, "dataset": dataset, "temperature": temperature,
-                                        "batch": batch, "prompt": start + j, "batch_wall_s": wall,
+                                        "batch": batch, "prompt": start + j, "batch_wall_s": wall, "cores": held[name],
                                         "batch_tokens": sum(r["num_output_tokens"] for r in results), **result})
                     bar.update()
                 if start + batch >= config.num_prompts and ssd_decoder is not None:
                     engine_stats[report.key(dataset, temperature, batch)] = ssd_decoder.stats.summary()
             llm.engine = llm_engine
             llm.close()  # the sweep's worker needs the draft core now; closing again below is a no-op
+            built.close()
             sweep = fan_out_sweep(config, prompts[config.datasets[0]], bar) if config.fan_out_sweep else None
     finally:
         llm.engine = llm_engine
         llm.close()
+        if built is not None:
+            built.close()
+        use_cores(*everything)
     result = {"config": asdict(config), "environment": environment(), "records": records,
               "ssd_engine": engine_stats, "fan_out_sweep": sweep,
               "summary": report.summarize(records, engine_stats)}

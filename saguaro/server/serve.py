@@ -39,7 +39,7 @@ def build_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int =
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="saguaro serve", description="Serve a model over an OpenAI-compatible "
                                      "HTTP API with continuous batching.")
-    add_llm_arguments(parser, method_default="ar")
+    add_llm_arguments(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")

@@ -307,9 +307,8 @@ class AutoDecoder(SDDecoder):
         does not know, from their committed tokens (their first round cannot hit)."""
         ssd = self.ssd
         ssd.cache, ssd.rows = self.cache, self.rows
-        if not self.on_ssd_cores:
-            use_cores(*self.cores.ssd)
-            self.on_ssd_cores = True
+        use_cores(*self.cores.ssd)  # every round: a caller may have moved this process meanwhile
+        self.on_ssd_cores = True
         new = [s for s in seqs if s.seq_id not in ssd.outcomes]
         if new and not ssd.draft_lost:
             for seq in new:
