@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server")
-    target.add_argument("--launch", nargs="+", choices=("ar", "sd", "ssd"), help="start a server for each method")
+    target.add_argument("--launch", nargs="+", choices=("ar", "sd", "ssd", "auto"),
+                        help="start a server for each method, in turn (repeat them to alternate: ar auto ar auto)")
     parser.add_argument("--model", default="smollm2", help="the served model's name (default: %(default)s)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-client", type=int, default=2,

@@ -18,7 +18,8 @@ from saguaro.engine import decoders
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.loader import save_checkpoint
-from saguaro.speculation.auto import SSD, SSD_MIN_ROUNDS, AutoDecoder, Controller, CoreShare, RowCosts
+from saguaro.speculation.auto import (SSD, SSD_MIN_ROUNDS, AutoDecoder, Controller, CoreShare, RowCosts,
+                                     batch_bucket)
 from saguaro.speculation.build import sd_drafter
 from saguaro.speculation.client import usable_cores
 from saguaro.speculation.ssd import SSDDecoder
@@ -71,6 +72,14 @@ def test_controller_measures_ar_and_speculation_before_choosing():
     controller.record(3, 0, 0.03, 0.0, [], 3)
     assert controller.choose(3) == 4  # then the most speculation, for the draft's cost
     assert controller.switches == 1
+
+
+def test_nearby_batch_sizes_share_measured_rates():
+    assert [batch_bucket(b) for b in (1, 4, 5, 7, 8, 27, 32, 38)] == [1, 4, 6, 8, 8, 32, 32, 32]
+    controller = Controller(max_k=3)
+    measured(controller, 30, lambda rows: 0.004 * rows, 0.010, 0.5)
+    assert all(controller.rate(28, k) != controller.predicted_rate(28, k) for k in range(4))  # measured at 30
+    assert controller.choose(28) == 0  # no exploring anew: AR measured fastest
 
 
 def ssd_rounds(controller: Controller, batch: int, verify_s: float, hit_rate: float, tokens_on_hit: int) -> None:

@@ -103,7 +103,7 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
     owns the worker). cores: "all" and "ssd" (affinity, threads)."""
     spec = config.speculative
     needs_draft = {"sd", "auto", "hf-assisted"} & set(config.methods)
-    path = draft_path(spec, config.model) if needs_draft else None
+    path = draft_path(replace(spec, method="sd"), config.model) if needs_draft else None  # an error if none
     draft = load_draft(path, llm.target) if needs_draft else None
     use_cores(*cores["all"])  # auto's SSD shares out what it finds
     ssd = auto_ssd(llm.target, spec, path) if "auto" in config.methods and not draft.reads_features else None
@@ -138,11 +138,13 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
         hf_target = peers.load_target(hub.resolve(config.model), llm.dtype)
         assistant = peers.as_transformers(draft) if assisted else None
         pad_id = llm.eos_token_ids[0]
+
         def transformers_engine(helper):
             def generate(prompts, params):
                 use_cores(*cores["all"])
                 return [{k: v for k, v in r.items() if k != "token_ids"}
-                        for r in peers.generate(hf_target, prompts, params, pad_id, helper, spec.num_speculative_tokens)]
+                        for r in peers.generate(hf_target, prompts, params, pad_id, helper,
+                                                spec.num_speculative_tokens)]
             return generate
 
         for name, helper in (("hf", None), ("hf-assisted", assistant)):
@@ -169,7 +171,7 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
     steps = [(d, t, b, i) for d in config.datasets for t in config.temperatures for b in config.batch_sizes
              for i in range(0, config.num_prompts, b)]
     sweep_runs = len(config.fan_out_sweep) * config.num_prompts
-    records, engine_stats, built = [], {}, None
+    records, engine_stats, auto_choices, built = [], {}, {}, None
     try:
         built = build_engines(llm, config, cores)
         engines, held = built.generate, built.held
@@ -179,6 +181,8 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
             for turn, (dataset, temperature, batch, start) in enumerate(steps):
                 if start == 0 and ssd_decoder is not None:
                     ssd_decoder.stats = SSDStats()
+                if start == 0 and built.auto is not None:
+                    built.auto.controller.rounds_by_choice.clear()  # what it chose in this group
                 names = [m for m in engines if runnable(m, batch)]
                 names = names[turn % len(names):] + names[:turn % len(names)]
                 batch_prompts = prompts[dataset][start:start + batch]
@@ -195,6 +199,9 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
                     bar.update()
                 if start + batch >= config.num_prompts and ssd_decoder is not None:
                     engine_stats[report.key(dataset, temperature, batch)] = ssd_decoder.stats.summary()
+                if start + batch >= config.num_prompts and built.auto is not None:
+                    chosen = built.auto.controller.summary()["auto_rounds_by_k"]
+                    auto_choices[report.key(dataset, temperature, batch)] = chosen
             llm.engine = llm_engine
             llm.close()  # the sweep's worker needs the draft core now; closing again below is a no-op
             built.close()
@@ -206,7 +213,7 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
             built.close()
         use_cores(*everything)
     result = {"config": asdict(config), "environment": environment(), "records": records,
-              "ssd_engine": engine_stats, "fan_out_sweep": sweep,
+              "ssd_engine": engine_stats, "auto_rounds_by_choice": auto_choices, "fan_out_sweep": sweep,
               "summary": report.summarize(records, engine_stats)}
     if out_dir is not None:
         report.write(result, out_dir)

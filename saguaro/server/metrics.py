@@ -49,7 +49,8 @@ def render(stats: SchedulerStats, errors: dict[int, int], max_batch_size: int, m
         _metric(lines, "draft_worker_restarts_total", "counter", "SSD draft workers that took over after a loss.",
                 [("", engine["draft_restarts"])])
     if engine and "auto_rounds_by_k" in engine:
-        _metric(lines, "auto_rounds_total", "counter", "method=auto: rounds by the choice: the draft tokens (0: none) or ssd.",
+        _metric(lines, "auto_rounds_total", "counter",
+                "method=auto: rounds by the choice: the draft tokens (0: none) or ssd.",
                 [(f'{{k="{k}"}}', n) for k, n in engine["auto_rounds_by_k"].items()])
         _metric(lines, "auto_switches_total", "counter", "method=auto: rounds that changed the choice.",
                 [("", engine["auto_switches"])])

@@ -15,9 +15,11 @@ sequences, both read off the passes measured so far (interpolated in the number 
 batch size never seen borrows from its neighbours). For SSD, p is its cache hit rate, E_hit and
 E_miss the tokens a round commits after a hit and after a miss (a miss waits for the backup
 draft), and s how much slower a verification runs on SSD's cores than on all of them:
-sqrt(cores / SSD's cores) until SSD has run (a small model's pass scales sublinearly with threads;
-measured here, 1.47 for 1 core against 2), then measured. Where a choice has run at this batch size,
-its measured rate (over its recent rounds) outweighs the prediction as its rounds add up. The controller
+sqrt(cores / SSD's cores) until SSD has run (a small model's pass scales sublinearly with
+threads; measured here, 1.47 for 1 core against 2), then measured.
+
+Where a choice has run at this batch size (sizes above 4 pool by half-octaves), its measured
+rate over its recent rounds outweighs the prediction as its rounds add up. The controller
 switches only for a predicted gain of HYSTERESIS, and tries an untried choice that the model
 rates close to the best, so the table fills where it matters. An SSD stint lasts at least
 SSD_MIN_ROUNDS rounds: its worker first runs what it has not seen, and a first round cannot hit.
@@ -43,7 +45,6 @@ from saguaro.engine.sequence import Sequence
 from saguaro.models.llama import LlamaModel
 from saguaro.speculation.client import use_cores, usable_cores
 from saguaro.speculation.drafters import Drafter
-from saguaro.speculation.protocol import DraftUnavailable
 from saguaro.speculation.sd import SDDecoder
 from saguaro.speculation.ssd import SSDDecoder
 
@@ -58,6 +59,13 @@ PRIOR_ROUNDS = 4.0  # the prediction counts as this many rounds of measurement
 PRIOR_ACCEPTANCE = 0.7  # a_i before any draft token was verified
 PRIOR_HIT_RATE = 0.8  # SSD's cache hit rate before one was measured
 SSD_MIN_ROUNDS = 8  # the shortest SSD stint
+
+
+def batch_bucket(batch: int) -> int:
+    """Batch sizes whose measured rates are pooled: each one up to 4, then half-octaves (6, 8,
+    11, 16, 23, 32, ...), so that a server whose batch drifts between 25 and 32 does not explore
+    every size anew."""
+    return batch if batch <= 4 else round(2 ** (round(2 * math.log2(batch)) / 2))
 
 
 class RowCosts:
@@ -99,7 +107,7 @@ class Controller:
     draft_step: RowCosts = field(default_factory=RowCosts)  # one draft step, by sequences
     accepted: list[int] = field(default_factory=list)  # per draft position: accepted ...
     tried: list[int] = field(default_factory=list)  # ... out of verified
-    # (batch, choice) -> decayed sums of committed tokens, seconds and rounds
+    # (batch bucket, choice) -> decayed sums of committed tokens, seconds and rounds
     measured: dict[tuple[int, Choice], list[float]] = field(default_factory=dict)
     ssd_cores_ratio: float | None = None  # all cores / SSD's target cores; None: no SSD worker (yet)
     ssd_slowdown: float | None = None  # measured: SSD's verification / the same pass on all cores
@@ -148,11 +156,13 @@ class Controller:
     def rate(self, batch: int, choice: Choice) -> float | None:
         """The measured rate at this batch size, shrunk towards the prediction by PRIOR_ROUNDS."""
         predicted = self.predicted_rate(batch, choice)
-        if (batch, choice) not in self.measured:
+        if (batch_bucket(batch), choice) not in self.measured:
             return predicted
-        tokens, seconds, rounds = self.measured[(batch, choice)]
+        tokens, seconds, rounds = self.measured[(batch_bucket(batch), choice)]
         observed = tokens / seconds
-        return observed if predicted is None else (rounds * observed + PRIOR_ROUNDS * predicted) / (rounds + PRIOR_ROUNDS)
+        if predicted is None:
+            return observed
+        return (rounds * observed + PRIOR_ROUNDS * predicted) / (rounds + PRIOR_ROUNDS)
 
     def choices(self) -> list[Choice]:
         return list(range(self.max_k + 1)) + ([SSD] if self.ssd_cores_ratio else [])
@@ -170,7 +180,8 @@ class Controller:
         rates = {c: self.rate(batch, c) for c in choices}
         rates = {c: r for c, r in rates.items() if r is not None}
         best = max(rates, key=rates.get)
-        untried = [c for c in rates if (batch, c) not in self.measured and rates[c] >= EXPLORE_WITHIN * rates[best]]
+        untried = [c for c in rates if (batch_bucket(batch), c) not in self.measured
+                   and rates[c] >= EXPLORE_WITHIN * rates[best]]
         if untried:
             return self._pick(max(untried, key=rates.get))
         if self.current in rates and rates[best] <= rates[self.current] * (1 + HYSTERESIS):
@@ -215,7 +226,7 @@ class Controller:
         self._measure(batch, SSD, sum(committed), verify_s + wait_s)
 
     def _measure(self, batch: int, choice: Choice, committed: int, seconds: float) -> None:
-        sums = self.measured.setdefault((batch, choice), [0.0, 0.0, 0.0])
+        sums = self.measured.setdefault((batch_bucket(batch), choice), [0.0, 0.0, 0.0])
         for i, value in enumerate((committed, seconds, 1.0)):
             sums[i] = sums[i] * DECAY + value
 
@@ -311,13 +322,7 @@ class AutoDecoder(SDDecoder):
         self.on_ssd_cores = True
         new = [s for s in seqs if s.seq_id not in ssd.outcomes]
         if new and not ssd.draft_lost:
-            for seq in new:
-                ssd.outcomes[seq.seq_id] = None
-            try:
-                ssd.client.prefill([s.seq_id for s in new], [s.token_ids for s in new], [s.params for s in new],
-                                   self.cache.num_slots - 1, self.cache.num_rows)
-            except DraftUnavailable as e:
-                ssd._lose_draft(e)
+            ssd.hand_over(new)
         first = [ssd.outcomes.get(s.seq_id) is None for s in seqs]
         before = [len(s) for s in seqs]
         rounds = len(ssd.stats.verify_s)
@@ -334,25 +339,12 @@ class AutoDecoder(SDDecoder):
             return
         use_cores(*self.cores.all)
         self.on_ssd_cores = False
-        ids = list(self.ssd.outcomes)
-        self.ssd.outcomes.clear()
-        self._release_at_worker(ids)
-
-    def _release_at_worker(self, seq_ids: list[int]) -> None:
-        if not self.ssd.draft_lost:
-            try:
-                self.ssd.client.release(seq_ids)
-            except DraftUnavailable as e:
-                self.ssd._lose_draft(e)
+        self.ssd.forget(list(self.ssd.outcomes))
 
     def release(self, seqs: list[Sequence]) -> None:
         super().release(seqs)
         if self.ssd is not None:
-            known = [s.seq_id for s in seqs if s.seq_id in self.ssd.outcomes]
-            for seq_id in known:
-                del self.ssd.outcomes[seq_id]
-            if known:
-                self._release_at_worker(known)
+            self.ssd.forget([s.seq_id for s in seqs if s.seq_id in self.ssd.outcomes])
 
     def metrics(self) -> dict:
         return {**self.controller.summary(), **(self.ssd.metrics() if self.ssd is not None else {})}

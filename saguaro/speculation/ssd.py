@@ -125,13 +125,17 @@ class SSDDecoder(ARDecoder):
 
     def release(self, seqs: list[Sequence]) -> None:
         super().release(seqs)
-        for seq in seqs:
-            self.outcomes.pop(seq.seq_id, None)
+        self.forget([s.seq_id for s in seqs])
+
+    def forget(self, seq_ids: list[int]) -> None:
+        """The worker forgets these sequences (the target's KV rows stay)."""
+        for seq_id in seq_ids:
+            self.outcomes.pop(seq_id, None)
             if self.features is not None:
-                self.features.drop(seq.seq_id)
-        if not self.draft_lost and seqs:
+                self.features.drop(seq_id)
+        if not self.draft_lost and seq_ids:
             try:
-                self.client.release([s.seq_id for s in seqs])
+                self.client.release(seq_ids)
             except DraftUnavailable as e:
                 self._lose_draft(e)
 
@@ -249,6 +253,11 @@ class SSDDecoder(ARDecoder):
         self.client, self.restart = self.restart.result(), None
         self.draft_lost = False
         self.stats.draft_restarts += 1
+        return self.hand_over(seqs)
+
+    def hand_over(self, seqs: list[Sequence]) -> bool:
+        """The worker gets these sequences from their committed tokens (so their next round
+        cannot hit). False if it is lost meanwhile."""
         for seq in seqs:
             self.outcomes[seq.seq_id] = None
         try:
