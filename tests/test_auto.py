@@ -3,6 +3,7 @@
 distribution test with a control that must fail)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from concurrent.futures import Future
 
@@ -104,6 +105,16 @@ def test_controller_takes_ssd_where_its_measured_rate_beats_sd_on_all_cores():
     assert slow.choose(1) != SSD
 
 
+def test_controller_expects_no_gain_from_ssd_when_its_fill_outlasts_the_verification():
+    controller = Controller(max_k=4, ssd_cores_ratio=2.0)
+    controller.record(16, 0, 0.050, 0.0, [], 16)
+    controller.record(16, 4, 0.200, 4 * 0.010, [2] * 16, 48)  # a draft step over 16 rows: 10 ms
+    controller.draft_step.add(16 * 16, 0.120)  # ... over 16 branches of 16 requests: 120 ms
+    few, many = (dataclasses.replace(controller, ssd_branches=f) for f in (1, 16))
+    assert many.predicted_rate(16, SSD) < few.predicted_rate(16, SSD) / 2
+    assert many.choose(16) != SSD
+
+
 def test_controller_offers_ssd_only_with_a_worker():
     controller = Controller(max_k=2)
     assert SSD not in controller.choices()
@@ -148,7 +159,7 @@ SWITCHING = [TINY_K, SSD, SSD, 0, SSD, 1]  # into SSD, on in SSD, out to AR, bac
 
 def auto_pvalue(target, draft, params, draft_dir=None) -> float:
     ssd = in_process_ssd(target, draft_dir, [2] * (TINY_K + 1)) if draft_dir else None
-    outputs = tiny_outputs(auto_decoder(target, draft, SWITCHING if ssd else [TINY_K, 0, 1], ssd), params)
+    outputs = tiny_outputs(auto_decoder(target, draft, SWITCHING if ssd else [0, TINY_K, 1], ssd), params)
     return ks_pvalue(teacher_forced_pit(target, tiny_prompts(len(params)), outputs, params))
 
 
@@ -168,6 +179,19 @@ def test_switching_between_ar_sd_and_ssd_is_exact(target, draft, draft_dir):
 def test_switching_with_ssd_check_catches_a_broken_acceptance_rule(target, draft, draft_dir, monkeypatch):
     monkeypatch.setattr(decoders, "verify", residual_is_p)
     assert auto_pvalue(target, draft, sampled(1.0, rows=4_000), draft_dir) < ALPHA
+
+
+def test_the_drafter_runs_a_prompt_only_before_its_first_sd_round(target, draft):
+    decoder = auto_decoder(target, draft, [0])
+    drafted = []
+    decoder.drafter.prefill = lambda seqs: drafted.append([s.seq_id for s in seqs])
+    tiny_outputs(decoder, sampled(0.0, rows=3))
+    assert drafted == []  # AR throughout: the draft never ran
+    decoder = auto_decoder(target, draft, [0, 0, 1])
+    prefill = decoder.drafter.prefill
+    decoder.drafter.prefill = lambda seqs: (drafted.append([s.seq_id for s in seqs]), prefill(seqs))
+    tiny_outputs(decoder, sampled(0.0, rows=3))
+    assert drafted == [[0, 1, 2]]  # once, at the third round
 
 
 def test_ssd_stints_hand_the_worker_what_it_lacks_and_give_the_cores_back(target, draft, draft_dir):

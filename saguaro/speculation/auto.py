@@ -6,7 +6,8 @@ all the cores, and, once its draft worker is up, SSD (K_max, with SSD's own fan-
 planning), whose target keeps only the cores the worker does not hold:
 
     rate(b, K)   = b * E_K / (t_target(b * (K + 1)) + K * t_step(b))
-    rate(b, SSD) = b * (p E_hit + (1 - p) E_miss) / (s * t_target(b * (K + 1)) + (1 - p) * K * t_step(b))
+    rate(b, SSD) = b * (p E_hit + (1 - p) E_miss) / (s * max(t_target(b * (K + 1)), K * t_step(b * F))
+                                                     + (1 - p) * K * t_step(b))
 
 E_K = 1 + a_1 + a_1 a_2 + ... + a_1...a_K is the expected number of tokens a round commits per
 sequence, a_i the measured chance that draft token i is accepted after the ones before it;
@@ -14,9 +15,10 @@ t_target(n) is the target's pass over n token rows and t_step(b) one draft step 
 sequences, both read off the passes measured so far (interpolated in the number of rows, so a
 batch size never seen borrows from its neighbours). For SSD, p is its cache hit rate, E_hit and
 E_miss the tokens a round commits after a hit and after a miss (a miss waits for the backup
-draft), and s how much slower a verification runs on SSD's cores than on all of them:
-sqrt(cores / SSD's cores) until SSD has run (a small model's pass scales sublinearly with
-threads; measured here, 1.47 for 1 core against 2), then measured.
+draft), F the branches the worker pre-drafts per request (the fill hides behind verification
+only while it is the shorter), and s how much slower a pass runs on SSD's share of the cores
+than on all of them: sqrt(cores / SSD's cores) until SSD has run (a small model's pass scales
+sublinearly with threads; measured here, 1.47 for 1 core against 2), then measured.
 
 Where a choice has run at this batch size (sizes above 4 pool by half-octaves), its measured
 rate over its recent rounds outweighs the prediction as its rounds add up. The controller
@@ -110,6 +112,7 @@ class Controller:
     # (batch bucket, choice) -> decayed sums of committed tokens, seconds and rounds
     measured: dict[tuple[int, Choice], list[float]] = field(default_factory=dict)
     ssd_cores_ratio: float | None = None  # all cores / SSD's target cores; None: no SSD worker (yet)
+    ssd_branches: int = 1  # branches the worker pre-drafts per request (its fan-out's sum)
     ssd_slowdown: float | None = None  # measured: SSD's verification / the same pass on all cores
     ssd_hits: list[int] = field(default_factory=lambda: [0, 0])  # sequence rounds that hit, that missed
     ssd_tokens: list[int] = field(default_factory=lambda: [0, 0])  # ... and the tokens they committed
@@ -151,7 +154,8 @@ class Controller:
         e_hit = self.ssd_tokens[0] / hits if hits else self.expected_tokens(k)
         e_miss = self.ssd_tokens[1] / misses if misses else self.expected_tokens(k)
         slowdown = self.ssd_slowdown or math.sqrt(self.ssd_cores_ratio)
-        return batch * (p * e_hit + (1 - p) * e_miss) / (slowdown * target + (1 - p) * k * step)
+        fill = self.draft_step(batch * self.ssd_branches) * k  # all branches, hidden only while it fits
+        return batch * (p * e_hit + (1 - p) * e_miss) / (slowdown * max(target, fill) + (1 - p) * k * step)
 
     def rate(self, batch: int, choice: Choice) -> float | None:
         """The measured rate at this batch size, shrunk towards the prediction by PRIOR_ROUNDS."""
@@ -267,6 +271,13 @@ class AutoDecoder(SDDecoder):
         self.controller = Controller(drafter.k)
         self.ssd_starting, self.ssd, self.cores = ssd, None, cores
         self.on_ssd_cores = False
+        self.undrafted: set[int] = set()  # sequences whose prompt the drafter has not run yet
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """The target's prefill only: the drafter runs a prompt before the sequence's first SD
+        round, so requests that auto decodes without speculation never pay for it."""
+        ARDecoder.prefill(self, seqs)
+        self.undrafted.update(s.seq_id for s in seqs)
 
     def step(self, seqs: list[Sequence]) -> None:
         self._adopt_ssd()
@@ -274,6 +285,9 @@ class AutoDecoder(SDDecoder):
         if choice == SSD:
             return self._ssd_step(seqs)
         self._leave_ssd()
+        if choice and (new := [s for s in seqs if s.seq_id in self.undrafted]):
+            self.drafter.prefill(new)
+            self.undrafted.difference_update(s.seq_id for s in new)
         before = sum(len(s) for s in seqs)
         started = time.perf_counter()
         if choice == 0:
@@ -303,6 +317,7 @@ class AutoDecoder(SDDecoder):
             warnings.warn(f"method=auto continues without SSD: its draft worker did not start ({e})", RuntimeWarning)
             return
         self.controller.ssd_cores_ratio = self.cores.ratio
+        self.controller.ssd_branches = max(1, sum(self.ssd.fan_out))
 
     def wait_for_ssd(self) -> None:
         """Blocks until SSD's worker is up (or failed to start)."""
@@ -343,6 +358,7 @@ class AutoDecoder(SDDecoder):
 
     def release(self, seqs: list[Sequence]) -> None:
         super().release(seqs)
+        self.undrafted.difference_update(s.seq_id for s in seqs)
         if self.ssd is not None:
             self.ssd.forget([s.seq_id for s in seqs if s.seq_id in self.ssd.outcomes])
 
