@@ -1,11 +1,14 @@
-"""EAGLE-style drafts read the target's hidden states: SD and SSD must hand the draft the right
-ones (h_{t-1} with token t) and stay exact. Tiny random-weight models, in seconds."""
+"""EAGLE-style drafts read the target's hidden states: SD, auto and SSD must hand the draft the
+right ones (h_{t-1} with token t) and stay exact. Tiny random-weight models, in seconds."""
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from drafts import InProcessDraft, sd_decoder, worker_config
+from saguaro.config import SpeculativeConfig
 from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
@@ -13,6 +16,8 @@ from saguaro.models.config import ModelConfig
 from saguaro.models.eagle import EagleDraft
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.loader import load_checkpoint
+from saguaro.speculation.auto import AutoDecoder
+from saguaro.speculation.build import sd_drafter
 from saguaro.speculation.ssd import SSDDecoder
 from test_exactness import TINY_V, tiny_model
 from test_ssd import ALPHA, NO_CANDIDATES, SSD_K, decode_all, saved_draft, ssd_pvalue
@@ -71,9 +76,19 @@ def proposals_match(target, draft, seqs, proposed, features_from_target=True) ->
     return True
 
 
-def test_sd_drafts_from_the_targets_hidden_states(target):
+def auto_after_ar_rounds(target, draft, k: int) -> AutoDecoder:
+    """auto whose first two rounds are AR: the drafter first runs each prompt after them, with
+    the hidden states the target kept meanwhile."""
+    decoder = AutoDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k, prompt_lookup=0)))
+    choices = itertools.chain([0, 0], itertools.cycle([k, 1, 0]))
+    decoder.controller.choose = lambda batch: decoder.controller._pick(next(choices))
+    return decoder
+
+
+@pytest.mark.parametrize("make_decoder", [sd_decoder, auto_after_ar_rounds])
+def test_sd_drafts_from_the_targets_hidden_states(target, make_decoder):
     draft = tiny_eagle()
-    decoder = sd_decoder(target, draft, K)
+    decoder = make_decoder(target, draft, K)
     proposed = []
     propose = decoder.drafter.propose
 
