@@ -18,7 +18,7 @@ E_miss the tokens a round commits after a hit and after a miss (a miss waits for
 draft), F the branches the worker pre-drafts per request (the fill hides behind verification
 only while it is the shorter), and s how much slower a pass runs on SSD's share of the cores
 than on all of them: sqrt(cores / SSD's cores) until SSD has run (a small model's pass scales
-sublinearly with threads; measured here, 1.47 for 1 core against 2), then measured.
+sublinearly with threads), then measured.
 
 Where a choice has run at this batch size (sizes above 4 pool by half-octaves), its measured
 rate over its recent rounds outweighs the prediction as its rounds add up. The controller
