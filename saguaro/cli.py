@@ -8,6 +8,7 @@ from pathlib import Path
 from saguaro.config import add_speculative_arguments, speculative_config_from_args
 from saguaro.llm import add_llm_arguments, llm_from_args
 from saguaro.models import hub
+from saguaro.models.quantized import MODES
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(writes bench.json, bench.md and plots)")
     bench.add_argument("--model", default=hub.DEFAULT_MODEL)
     bench.add_argument("--methods", default="ar,sd,ssd,auto,hf,hf-assisted",
-                       help="of ar, sd, ssd, auto, hf (transformers generate), hf-assisted (with the draft as assistant)")
+                       help="of ar, sd, ssd, auto, hf (transformers generate), hf-assisted (with the draft as "
+                            "assistant), llamacpp (llama.cpp on the same GGUF: pip install 'saguaro[llamacpp]')")
     bench.add_argument("--datasets", default="humaneval", help="of humaneval, sharegpt (held-out first turns), random")
     bench.add_argument("--num-prompts", type=int, default=10)
     bench.add_argument("--max-tokens", type=int, default=128)
@@ -55,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-sizes", default="1,4,8")
     bench.add_argument("--fan-out-sweep", default="", help="also: SSD hit rate for these uniform fan-outs, e.g. 1,2,4,8")
     bench.add_argument("--dtype", default="bfloat16")
+    bench.add_argument("--quantization", default="auto", choices=MODES, help="saguaro's (see saguaro generate --help)")
     bench.add_argument("--threads", type=int, help="torch threads of AR, SD, auto and transformers (default: every "
                        "core, as SSD's target and draft use together; 1: one core per model)")
     bench.add_argument("--no-chat-template", action="store_true", help="raw prompts (default: chat template applied)")
@@ -114,7 +117,8 @@ def run_bench(args: argparse.Namespace) -> int:
         model=args.model, speculative=speculative_config_from_args(args), methods=args.methods.split(","),
         datasets=args.datasets.split(","), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
         temperatures=numbers(args.temperatures, float), batch_sizes=numbers(args.batch_sizes, int),
-        fan_out_sweep=numbers(args.fan_out_sweep, int), dtype=args.dtype, chat_template=not args.no_chat_template,
+        fan_out_sweep=numbers(args.fan_out_sweep, int), dtype=args.dtype, quantization=args.quantization,
+        chat_template=not args.no_chat_template,
         ignore_eos=not args.no_ignore_eos, threads=args.threads)
     if args.quick:
         bench_config = bench.quick(bench_config)

@@ -15,6 +15,7 @@ from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.loader import load_model, load_tokenizer, resolve_dtype
+from saguaro.models.quantized import MODES
 from saguaro.outputs import RequestMetrics, RequestOutput
 from saguaro.speculation.build import make_decoder
 
@@ -34,18 +35,22 @@ class LLM:
     batch_invariant: each position's logits bit-identical however many tokens and requests share
     the target's pass (saguaro.models.invariant), so that greedy SD and SSD equal AR in every
     dtype and at every batch size; False trades that for the library kernels' own speed.
+    quantization: how the decoder's projections are held (saguaro.models.quantized): "auto" (the
+    default) runs a GGUF file's 4-bit blocks as int4 on CPU in bf16, as llama.cpp runs them,
+    and everything else in `dtype`; "none" dequantizes everything to `dtype`; "int8" and "int4"
+    quantize every projection (int4 keeps 4-bit GGUF blocks as they are).
     """
 
     def __init__(self, model: str = hub.DEFAULT_MODEL, speculative_config: SpeculativeConfig | dict | None = None,
                  device: str = "cpu", dtype: str | torch.dtype = "auto", num_threads: int | None = None,
-                 batch_invariant: bool = True, **speculative_options):
+                 batch_invariant: bool = True, quantization: str | None = "auto", **speculative_options):
         self.speculative_config = SpeculativeConfig.of(speculative_config, **speculative_options)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.dtype = resolve_dtype(dtype)
         path = hub.resolve(model)
         self.tokenizer = load_tokenizer(path)
-        self.target = load_model(path, self.dtype, device)
+        self.target = load_model(path, self.dtype, device, quantization)
         self.target.set_batch_invariant(batch_invariant)
         self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]
         self._ids = itertools.count()
@@ -142,10 +147,13 @@ def add_llm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                        help="each position's logits independent of what shares its pass, so greedy SD/SSD "
                             "equal AR in every dtype (default: on)")
+    group.add_argument("--quantization", default="auto", choices=MODES,
+                       help="auto: a GGUF's 4-bit blocks run as int4 (CPU, bf16), the rest in --dtype; "
+                            "none: all in --dtype; int8 / int4: every projection quantized (default: %(default)s)")
     add_speculative_arguments(parser)
 
 
 def llm_from_args(args: argparse.Namespace) -> LLM:
     """The LLM the options of add_llm_arguments describe."""
     return LLM(args.model, speculative_config_from_args(args), device=args.device, dtype=args.dtype, num_threads=args.threads,
-               batch_invariant=args.batch_invariant)
+               batch_invariant=args.batch_invariant, quantization=args.quantization)

@@ -19,6 +19,7 @@ from saguaro.engine.sequence import Sequence
 from saguaro.engine.verify import verify, verify_greedy
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel
+from saguaro.models.quantized import quantized_linear
 from saguaro.speculation import drafters
 from stats import MisreportedProposal, ks_pvalue, randomized_pit, teacher_forced_pit
 
@@ -195,6 +196,24 @@ def tiny_model(seed: int, layers: int, head_token_ids: list[int] | None = None, 
     return model
 
 
+def int4_pair() -> tuple[LlamaModel, LlamaModel]:
+    """A target whose projections run as int4 in bf16 (the default for a Q4 GGUF), wide enough
+    for torch's int4 kernel, and as draft its own dense fp32 weights with a sharpened head."""
+    torch.manual_seed(12)
+    config = ModelConfig(vocab_size=TINY_V, hidden_size=64, intermediate_size=64, num_layers=2,
+                         num_heads=2, num_kv_heads=1, head_dim=32)
+    dense = LlamaModel(config).eval().requires_grad_(False)
+    dense.lm_head.weight.mul_(3.0)
+    target = LlamaModel(config).eval().requires_grad_(False)
+    target.load_state_dict(dense.state_dict())
+    target.to(torch.bfloat16)
+    for name, module in list(target.named_modules()):
+        if name.endswith("_proj"):
+            target.set_submodule(name, quantized_linear(module.weight, None, "int4", torch.bfloat16))
+    dense.lm_head.weight.mul_(1.5)
+    return target, dense
+
+
 def sharpened_target() -> LlamaModel:
     """The target itself with 1.5 times its logits: a peaked draft, all of whose guesses are
     often accepted."""
@@ -253,6 +272,15 @@ def test_sd_decoder_is_exact_with_top_k_and_top_p(target):
 def test_sd_decoder_is_exact_with_a_reduced_draft_head(target):
     """The draft samples over its head rows only; the target still reaches every token."""
     assert sd_pvalue(target, tiny_model(seed=11, layers=1, head_token_ids=REDUCED_HEAD), sampled(1.0)) > ALPHA
+
+
+def test_sd_decoder_is_exact_with_an_int4_target():
+    assert sd_pvalue(*int4_pair(), sampled(1.0)) > ALPHA
+
+
+def test_sd_decoder_check_catches_a_broken_rule_with_an_int4_target(monkeypatch):
+    monkeypatch.setattr(decoders, "verify", residual_is_p)
+    assert sd_pvalue(*int4_pair(), sampled(1.0)) < ALPHA
 
 
 def test_sd_decoder_is_exact_with_prompt_lookup(target, draft):

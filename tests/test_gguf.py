@@ -107,9 +107,10 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
 
 
 def write_gguf(path: Path, model, arch: str, name: str, keys: dict | None = None,
-               tensors: dict[str, np.ndarray] | None = None) -> Path:
+               tensors: dict[str, np.ndarray | tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None) -> Path:
     """`model` as a GGUF file with llama.cpp's metadata. `keys` (named without the architecture
-    prefix) and `tensors` are added to, or replace, what the conversion writes."""
+    prefix) and `tensors` are added to, or replace, what the conversion writes; a tensor given as
+    (blocks, type) is written as those quantized blocks."""
     config = model.config
     head_dim = getattr(config, "head_dim", None)
     metadata = {
@@ -129,7 +130,10 @@ def write_gguf(path: Path, model, arch: str, name: str, keys: dict | None = None
         add = {str: writer.add_string, int: writer.add_uint32, float: writer.add_float32}[type(value)]
         add(f"{arch}.{key}", value)
     for tensor_name, array in (gguf_tensors(model, arch) | (tensors or {})).items():
-        writer.add_tensor(tensor_name, array)
+        if isinstance(array, tuple):
+            writer.add_tensor(tensor_name, array[0], raw_dtype=array[1])
+        else:
+            writer.add_tensor(tensor_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -18,9 +18,15 @@ CHUNK = 6
 OTHER_ROWS = 8  # a batch of 9 x 6 = 54 rows: past the 32 rows where oneDNN's bf16 kernel changes
 
 
+# (dtype, quantization): the default (int4 from the GGUF's Q4_1 blocks, in bf16), int8, and the
+# dequantized weights in bf16, fp16 and fp32.
+MODES = [(torch.bfloat16, "auto"), (torch.bfloat16, "int8"), (torch.bfloat16, "none"), (torch.float16, "none"),
+         (torch.float32, "none")]
+
+
 @pytest.fixture(scope="module")
 def models(smollm2_path):
-    return {dtype: load_model(smollm2_path, dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
+    return {(dtype, q): load_model(smollm2_path, dtype, quantization=q) for dtype, q in MODES}
 
 
 def greedy_steps(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -65,9 +71,9 @@ def positions_that_differ(model, prompts: list[list[int]]) -> int:
     return differ
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_logits_do_not_depend_on_what_shares_the_pass(models, prompts, dtype):
-    model = models[dtype]
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_logits_do_not_depend_on_what_shares_the_pass(models, prompts, mode):
+    model = models[mode]
     model.set_batch_invariant(True)
     assert positions_that_differ(model, prompts) == 0
 
@@ -75,7 +81,7 @@ def test_logits_do_not_depend_on_what_shares_the_pass(models, prompts, dtype):
 def test_invariant_kernels_compute_what_the_library_kernels_do(models, prompts):
     """Same model, same numbers up to rounding: the fp32 logits of a batched, masked prefill and of
     one-token steps agree with invariance off (which test_parity holds to transformers)."""
-    model = models[torch.float32]
+    model = models[torch.float32, "none"]
     logits = {}
     for on in (False, True):
         model.set_batch_invariant(on)
@@ -88,7 +94,7 @@ def test_invariant_kernels_compute_what_the_library_kernels_do(models, prompts):
 
 
 def test_control_library_kernels_round_by_shape(models, prompts):
-    model = models[torch.bfloat16]
+    model = models[torch.bfloat16, "none"]
     model.set_batch_invariant(False)
     try:
         assert positions_that_differ(model, prompts) > 0

@@ -1,5 +1,6 @@
-"""The peer in `saguaro bench`: Hugging Face transformers `generate`, plain and with the same
-draft as `assistant_model` (assisted generation), on the same target, prompts and threads."""
+"""The peers in `saguaro bench`, on the same target, prompts and threads: Hugging Face
+transformers `generate`, plain and with the same draft as `assistant_model` (assisted
+generation), and llama.cpp (llama-cpp-python) decoding the same GGUF file token by token."""
 from __future__ import annotations
 
 import time
@@ -136,4 +137,43 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, pad_id: in
             "per_position_acceptance": [sum(r - 1 > i for r in rounds) / len(rounds)
                                         for i in range(num_speculative_tokens)] if assistant is not None else None,
             "cache_hit_rate": None, "token_ids": row[:n]})
+    return records
+
+
+def load_llamacpp(path: Path, threads: int, context: int):
+    """llama.cpp on a GGUF file, `threads` for prompt and decode alike."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as error:
+        raise ImportError("the llamacpp peer needs llama-cpp-python: pip install 'saguaro[llamacpp]' "
+                          "(it builds llama.cpp from source, a few minutes)") from error
+    if path.suffix != ".gguf":
+        raise ValueError(f"llama.cpp runs GGUF files; {path} is not one")
+    return Llama(str(path), n_ctx=context, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+
+def generate_llamacpp(llama, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
+    """Each prompt decoded alone from an empty cache (llama-cpp-python decodes one sequence at a
+    time), sampling from the whole distribution at the temperature, as saguaro does; records in
+    the shape of transformers' (see `generate`)."""
+    sampling = dict(temp=params.temperature, top_k=0, top_p=1.0, min_p=0.0) if params.temperature > 0 else \
+        dict(temp=0.0, top_k=1)
+    eos = None if params.ignore_eos else llama.token_eos()
+    records = []
+    for i, prompt in enumerate(prompts):
+        llama.reset()  # no prefix reuse between prompts: every method prefills each prompt
+        if params.seed is not None:
+            llama.set_seed(params.seed + i)
+        started, times, tokens = time.perf_counter(), [], []
+        for token in llama.generate(prompt, **sampling):
+            times.append(time.perf_counter())
+            tokens.append(token)
+            if len(tokens) == params.max_tokens or token == eos:
+                break
+        decode_time = times[-1] - times[0]
+        records.append({"num_prompt_tokens": len(prompt), "num_output_tokens": len(tokens),
+                        "ttft_s": times[0] - started,
+                        "decode_tokens_per_s": (len(tokens) - 1) / decode_time if decode_time > 0 else 0.0,
+                        "mean_acceptance_length": None, "per_position_acceptance": None, "cache_hit_rate": None,
+                        "token_ids": tokens})
     return records

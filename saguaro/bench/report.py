@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 RATIOS = (("ssd", "sd"), ("ssd", "ar"), ("auto", "sd"), ("auto", "ar"), ("sd", "ar"), ("ar", "hf"),
-          ("sd", "hf-assisted"))
+          ("sd", "hf-assisted"), *((m, "llamacpp") for m in ("ar", "sd", "ssd", "auto")))
 
 
 def key(dataset: str, temperature: float, batch: int) -> str:
@@ -74,8 +74,8 @@ def _fmt(x, digits: int = 2) -> str:
 def markdown(result: dict) -> str:
     rows = result["summary"]
     lines = ["| dataset | temp | batch | method | decode tok/s median (p10–p90) | total tok/s | tok/s per device "
-             "| TTFT s | accept len | hit rate | T_p | vs SD | vs AR | vs peer |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT s | accept len | hit rate | T_p | vs SD | vs AR | vs peer | vs llama.cpp |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         peer = r.get("ar_over_hf", r.get("sd_over_hf-assisted"))
         lines.append(
@@ -84,10 +84,11 @@ def markdown(result: dict) -> str:
             f"| {_fmt(r['total_tok_s_median'], 1)} | {_fmt(r['tok_s_per_device'], 1)} | {_fmt(r['ttft_s_median'], 3)} "
             f"| {_fmt(r['acceptance_length_mean'])} | {_fmt(r['cache_hit_rate'])} | {_fmt(r['t_p_median'])} "
             f"| {_fmt(r.get('ssd_over_sd', r.get('auto_over_sd')))} "
-            f"| {_fmt(r.get('ssd_over_ar', r.get('auto_over_ar', r.get('sd_over_ar'))))} | {_fmt(peer)} |")
+            f"| {_fmt(r.get('ssd_over_ar', r.get('auto_over_ar', r.get('sd_over_ar'))))} | {_fmt(peer)} "
+            f"| {_fmt(r.get(r['method'] + '_over_llamacpp'))} |")
     lines += ["", "vs SD: SSD (auto) / SD; vs AR: SSD (auto) / AR, SD / AR on SD rows; vs peer: saguaro AR / transformers "
-              "`generate`, saguaro SD / transformers assisted generation. All ratios of median decode tok/s "
-              "per request."]
+              "`generate`, saguaro SD / transformers assisted generation; vs llama.cpp: this method / llama.cpp "
+              "on the same GGUF and cores. All ratios of median decode tok/s per request."]
     sweep = result.get("fan_out_sweep")
     if sweep:
         lines += ["", f"SSD cache hit rate by uniform fan-out (T={sweep['temperature']}, batch 1): " + ", ".join(

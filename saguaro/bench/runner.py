@@ -33,7 +33,7 @@ from saguaro.speculation.client import usable_cores, use_cores
 from saguaro.speculation.sd import SDDecoder
 from saguaro.speculation.ssd import SSDStats
 
-METHODS = (*SPECULATIVE_METHODS, "hf", "hf-assisted")
+METHODS = (*SPECULATIVE_METHODS, "hf", "hf-assisted", "llamacpp")
 DATASETS = ("humaneval", "sharegpt", "random")
 
 
@@ -50,6 +50,7 @@ class BenchConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
     fan_out_sweep: list[int] = field(default_factory=list)  # uniform fan-outs whose hit rate is measured
     dtype: str = "bfloat16"
+    quantization: str = "auto"  # saguaro's; see saguaro.models.quantized
     chat_template: bool = True
     ignore_eos: bool = True  # every request decodes max_tokens: equal work for every method
     seed: int = 0
@@ -98,7 +99,8 @@ class Engines:
             self.auto.close()
 
 
-def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int], int]]) -> Engines:
+def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int], int]],
+                  longest_prompt: int) -> Engines:
     """One saguaro target is shared by AR, SD, auto and SSD (whose decoder is the LLM's own: it
     owns the worker). cores: "all" and "ssd" (affinity, threads)."""
     spec = config.speculative
@@ -150,12 +152,21 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
         for name, helper in (("hf", None), ("hf-assisted", assistant)):
             if name in config.methods and (name == "hf" or assisted):
                 engines[name] = transformers_engine(helper)
+    if "llamacpp" in config.methods:
+        context = longest_prompt + config.max_tokens
+        llama = peers.load_llamacpp(hub.resolve(config.model), cores["all"][1], context)
+
+        def llamacpp_engine(prompts, params):
+            use_cores(*cores["all"])
+            return [{k: v for k, v in r.items() if k != "token_ids"} for r in peers.generate_llamacpp(llama, prompts, params)]
+
+        engines["llamacpp"] = llamacpp_engine
     return Engines({name: engines[name] for name in config.methods if name in engines}, held, decoders["auto"])
 
 
 def runnable(method: str, batch: int) -> bool:
-    """transformers' assisted generation supports batch size 1 only."""
-    return not (method == "hf-assisted" and batch > 1)
+    """transformers' assisted generation and llama-cpp-python decode one sequence at a time."""
+    return not (method in ("hf-assisted", "llamacpp") and batch > 1)
 
 
 def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
@@ -164,7 +175,7 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
     torch.manual_seed(config.seed)
     method = "ssd" if "ssd" in config.methods else "ar"  # the LLM's own decoder: SSD's owns the worker
     everything = usable_cores(), config.threads or torch.get_num_threads()
-    llm = LLM(config.model, replace(config.speculative, method=method), dtype=config.dtype)
+    llm = LLM(config.model, replace(config.speculative, method=method), dtype=config.dtype, quantization=config.quantization)
     cores = {"all": everything, "ssd": (usable_cores(), torch.get_num_threads())}  # SSD's split, if any
     llm_engine = llm.engine  # SSD's own: it owns the worker, which close() stops
     ssd_decoder = llm.decoder if method == "ssd" else None
@@ -173,9 +184,9 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
     sweep_runs = len(config.fan_out_sweep) * config.num_prompts
     records, engine_stats, auto_choices, built = [], {}, {}, None
     try:
-        built = build_engines(llm, config, cores)
-        engines, held = built.generate, built.held
         prompts = {d: bench_prompts(llm, d, config) for d in config.datasets}
+        built = build_engines(llm, config, cores, max(len(p) for ps in prompts.values() for p in ps))
+        engines, held = built.generate, built.held
         total = sum(runnable(m, b) for _, _, b, _ in steps for m in engines) + sweep_runs
         with tqdm(total=total, desc="bench", unit="run") as bar:
             for turn, (dataset, temperature, batch, start) in enumerate(steps):
@@ -228,7 +239,7 @@ def fan_out_sweep(config: BenchConfig, prompts: list[list[int]], bar: tqdm | Non
 
     fan_outs, k = config.fan_out_sweep, config.speculative.num_speculative_tokens
     llm = LLM(config.model, replace(config.speculative, method="ssd", fan_out=[max(fan_outs)] * (k + 1)),
-              dtype=config.dtype)
+              dtype=config.dtype, quantization=config.quantization)
     points = []
     try:
         for f in fan_outs:

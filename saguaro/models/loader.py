@@ -1,5 +1,5 @@
-"""Loads checkpoints: local Hugging Face folders (safetensors), GGUF files (dequantized) and
-saguaro's own folders (config.json with ModelConfig fields + model.safetensors), which drafts
+"""Loads checkpoints: local Hugging Face folders (safetensors), GGUF files (4-bit blocks kept as
+int4 codes, every other type dequantized) and saguaro's own folders (config.json with ModelConfig fields + model.safetensors), which drafts
 use and which may leave out the embedding table they share with their target."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from saguaro.models.config import ModelConfig, UnsupportedModelError
 from saguaro.models.eagle import model_class
 from saguaro.models.llama import LlamaModel, rope_inv_freq
 from saguaro.models.packed import pack_linears
+from saguaro.models.quantized import GROUP, GroupInt4, check_mode, quantized_linear
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -130,10 +131,50 @@ def dequantize_gguf(tensor) -> np.ndarray:
     return dequantize(tensor.data, tensor.tensor_type).reshape([int(n) for n in reversed(tensor.shape)])
 
 
-def _unpermute_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
+def _halves(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The fp16 field at byte `offset` of each block, as fp32."""
+    return blocks[:, offset:offset + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """[..., n bytes] -> [..., 2, n] codes: the low nibbles hold the first n weights, the high the next n."""
+    return np.stack([packed & 0x0F, packed >> 4], axis=-2)
+
+
+def gguf_int4(tensor) -> GroupInt4 | None:
+    """A Q4_0 / Q4_1 / Q4_K tensor's own codes, scales and offsets per group of 32 weights
+    (ggml's block layouts); None for other types."""
+    from gguf import GGMLQuantizationType as Q
+
+    kind = tensor.tensor_type
+    if kind not in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
+        return None
+    out_features, in_features = (int(n) for n in reversed(tensor.shape))
+    block_bytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144}[kind]
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, block_bytes)
+    if kind == Q.Q4_K:  # 256 weights: fp16 d, dmin; 8 six-bit scales and mins; 128 bytes of codes
+        d, dmin, packed = _halves(blocks, 0), _halves(blocks, 2), blocks[:, 4:16].astype(np.uint16)
+        low6 = packed[:, 0:4] & 0x3F, packed[:, 4:8] & 0x3F
+        high = (packed[:, 8:12] & 0x0F) | ((packed[:, 0:4] >> 6) << 4), (packed[:, 8:12] >> 4) | ((packed[:, 4:8] >> 6) << 4)
+        sub_scales = np.concatenate([low6[0], high[0]], axis=1).astype(np.float32)
+        sub_mins = np.concatenate([low6[1], high[1]], axis=1).astype(np.float32)
+        scales, lows = d[:, None] * sub_scales, -(dmin[:, None] * sub_mins)
+        codes = _nibbles(blocks[:, 16:].reshape(-1, 4, 32))  # 4 chunks of 64 weights
+    else:  # 32 weights: fp16 d (Q4_1: and fp16 m), 16 bytes of codes
+        scales = _halves(blocks, 0)[:, None]
+        lows = _halves(blocks, 2)[:, None] if kind == Q.Q4_1 else -8 * scales
+        codes = _nibbles(blocks[:, -16:])
+    groups = in_features // GROUP
+    return GroupInt4(torch.from_numpy(np.ascontiguousarray(codes.reshape(out_features, in_features))),
+                     torch.from_numpy(np.ascontiguousarray(scales.reshape(out_features, groups))),
+                     torch.from_numpy(np.ascontiguousarray(lows.reshape(out_features, groups))))
+
+
+def _unpermute_rope(weight: torch.Tensor | GroupInt4, n_head: int) -> torch.Tensor | GroupInt4:
     """Undoes llama.cpp's reordering of q/k rows (interleaved rope) back to rotate-half order."""
     rows = weight.shape[0]
-    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    order = torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
+    return weight.rows(order) if isinstance(weight, GroupInt4) else weight[order]
 
 
 def gguf_tensor_name(gguf_name: str) -> str | None:
@@ -150,21 +191,24 @@ def gguf_tensor_name(gguf_name: str) -> str | None:
     raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name}")
 
 
-def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupInt4]]:
+    """Config and weights; 4-bit blocks as GroupInt4, everything else dequantized to fp32."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(file))
     config = ModelConfig.from_hf(gguf_hf_config(reader))
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor | GroupInt4] = {}
     for tensor in reader.tensors:
         name = gguf_tensor_name(tensor.name)
         if name is None:
             continue
-        weight = dequantize_gguf(tensor)
+        weight = gguf_int4(tensor) if name.endswith("_proj.weight") else None
+        if weight is None:
+            weight = torch.from_numpy(np.array(dequantize_gguf(tensor), dtype=np.float32))
         # Only the "llama" architecture stores q/k rows in llama.cpp's interleaved order.
         if config.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
             weight = _unpermute_rope(weight, config.num_heads if ".q_proj." in name else config.num_kv_heads)
-        state[name] = torch.from_numpy(np.array(weight, dtype=np.float32))
+        state[name] = weight
     return config, state
 
 
@@ -183,20 +227,44 @@ def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dic
         for kind in ("weight", "bias"):
             parts = [state.pop(f"{p}self_attn.{n}_proj.{kind}", None) for n in "qkv"]
             if all(t is not None for t in parts):
-                state[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
-        state[f"{p}mlp.gate_up_proj.weight"] = torch.cat(
+                state[f"{p}self_attn.qkv_proj.{kind}"] = _cat(parts)
+        state[f"{p}mlp.gate_up_proj.weight"] = _cat(
             [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")])
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     return state
 
 
-def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: str | torch.device) -> LlamaModel:
+def _cat(parts: list) -> torch.Tensor | GroupInt4:
+    """Stacks projections' rows, keeping them int4 only where every part is."""
+    if all(isinstance(p, GroupInt4) for p in parts):
+        return GroupInt4.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, GroupInt4) else p for p in parts])
+
+
+def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupInt4], dtype: torch.dtype,
+                device: str | torch.device, quantization: str | None = None) -> LlamaModel:
+    """The model; `quantization` (saguaro.models.quantized.MODES) says which decoder projections
+    run quantized. The embeddings and the head stay in `dtype`."""
+    mode = check_mode(quantization, dtype, torch.device(device))
     with torch.device("meta"):
         model = LlamaModel(config)
-    state = {k: v.to(dtype) for k, v in fuse_hf_state(config, hf_state).items()}
-    model.load_state_dict(state, strict=True, assign=True)
+    state = fuse_hf_state(config, hf_state)
+    quantized = {}
+    for name in [n for n in state if n.startswith("layers.") and n.endswith("_proj.weight")]:
+        module = name.removesuffix(".weight")
+        bias = state.get(f"{module}.bias")
+        layer = quantized_linear(state[name], None if bias is None else bias.to(dtype), mode, dtype)
+        if layer is not None:
+            quantized[module] = layer
+            del state[name]
+            state.pop(f"{module}.bias", None)
+    state = {k: (v.dequantize() if isinstance(v, GroupInt4) else v).to(dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected or set(missing) - {f"{m}.{kind}" for m in quantized for kind in ("weight", "bias")}:
+        raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+    for module, layer in quantized.items():
+        model.set_submodule(module, layer)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config)
@@ -219,17 +287,18 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return names[dtype]
 
 
-def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupInt4]]:
     folder, gguf_file = checkpoint_files(Path(path))
     return read_gguf(gguf_file) if gguf_file else read_hf_folder(folder)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> LlamaModel:
+               device: str | torch.device = "cpu", quantization: str | None = None) -> LlamaModel:
+    """A checkpoint as a frozen model; see build_model for `quantization`."""
     if is_saguaro_checkpoint(path):
         return load_checkpoint(path, dtype, device)
     config, hf_state = read_checkpoint(path)
-    return build_model(config, hf_state, dtype, device)
+    return build_model(config, hf_state, dtype, device, quantization)
 
 
 # --- saguaro checkpoints (drafts) -------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""Weight-only quantized projections for CPU decoding: int4 in groups of 32, int8 per channel.
+
+A decode step reads every weight once, so its cost is the bytes it streams. torch ships CPU
+kernels that read int4 and int8 weights and compute in bf16 with fp32 sums; a step's
+projections read a quarter of bf16's bytes in int4. Their fp16 and fp32 paths are scalar
+(measured here, one 1536 x 576 int4 product: 0.09 ms in bf16, 8.4 ms in fp16), so quantized
+layers run in bf16 only. The activations are not quantized (llama.cpp quantizes them to 8
+bits): only the weights change.
+
+int4 is held as llama.cpp's Q4_0 / Q4_1 / Q4_K hold it: a code 0..15 per weight and, per group
+of 32 weights along the input, a scale and an offset (w = code * scale + low), so those GGUF
+blocks load code for code; only the scale and offset round to the compute dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+GROUP = 32  # weights per int4 group: the block of Q4_0 / Q4_1 and the sub-block of Q4_K
+MODES = ("auto", "none", "int8", "int4")
+
+
+@dataclass
+class GroupInt4:
+    """Weights [out, in] as codes 0..15 with a scale and a low value per group of GROUP inputs."""
+    codes: torch.Tensor  # [out, in] uint8
+    scales: torch.Tensor  # [out, in / GROUP] fp32
+    lows: torch.Tensor  # [out, in / GROUP] fp32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        out_features, in_features = self.codes.shape
+        groups = self.codes.reshape(out_features, -1, GROUP).float()
+        return (groups * self.scales[..., None] + self.lows[..., None]).reshape(out_features, in_features)
+
+    def rows(self, index: torch.Tensor) -> GroupInt4:
+        return GroupInt4(self.codes[index], self.scales[index], self.lows[index])
+
+    @staticmethod
+    def cat(parts: list[GroupInt4]) -> GroupInt4:
+        return GroupInt4(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "lows")))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> GroupInt4:
+        """Each group's range split into 15 equal steps (round to nearest)."""
+        groups = weight.float().reshape(weight.shape[0], -1, GROUP)
+        lows, highs = groups.amin(-1), groups.amax(-1)
+        scales = ((highs - lows) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        codes = ((groups - lows[..., None]) / scales[..., None]).round_().clamp_(0, 15)
+        return cls(codes.to(torch.uint8).reshape(weight.shape), scales, lows)
+
+
+def fits_int4(out_features: int, in_features: int) -> bool:
+    """The shapes torch's int4 CPU kernel takes."""
+    return out_features % 16 == 0 and in_features % GROUP == 0
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T (+ bias) with W held as GroupInt4, computed by torch's int4 CPU kernel."""
+
+    row_invariant = True  # each row's sums in the same order however many rows (tests/test_quantized.py)
+
+    def __init__(self, weights: GroupInt4, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = weights.shape
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.codes.int(), 2),
+                             persistent=False)
+        # The kernel computes (code - 8) * scale + zero: the zero is the weight at code 8.
+        zeros = weights.lows + 8 * weights.scales
+        self.register_buffer("scales_and_zeros", torch.stack([weights.scales, zeros], -1).transpose(0, 1)
+                             .contiguous().to(dtype), persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
+
+
+class Int8Linear(nn.Module):
+    """y = x @ W.T (+ bias) with W held as int8 and one scale per output (symmetric)."""
+
+    row_invariant = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        scales = (weight.float().abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        self.register_buffer("codes", (weight.float() / scales[:, None]).round_().to(torch.int8), persistent=False)
+        self.register_buffer("scales", scales.to(dtype), persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch._weight_int8pack_mm(rows, self.codes, self.scales)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def check_mode(quantization: str | None, dtype: torch.dtype, device: torch.device) -> str:
+    """The mode to load with: 'auto' keeps a checkpoint's int4 blocks as int4 where the kernels
+    run fast (CPU, bf16) and dequantizes the rest; 'none' dequantizes everything."""
+    mode = quantization or "auto"
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(MODES)}")
+    runnable = device.type == "cpu" and dtype == torch.bfloat16
+    if mode == "auto":
+        return "auto" if runnable else "none"
+    if mode in ("int8", "int4") and not runnable:
+        raise ValueError(f"quantization={mode!r} runs on CPU in bf16 (torch's fast kernels); "
+                         f"got {device.type} / {str(dtype).removeprefix('torch.')}")
+    return mode
+
+
+def quantized_linear(weight: torch.Tensor | GroupInt4, bias: torch.Tensor | None, mode: str,
+                     dtype: torch.dtype) -> nn.Module | None:
+    """The quantized layer for one projection, or None where it stays a plain linear layer."""
+    out_features, in_features = weight.shape
+    if mode == "int8":
+        return Int8Linear(weight.dequantize() if isinstance(weight, GroupInt4) else weight, bias, dtype)
+    if not fits_int4(out_features, in_features):
+        return None
+    if isinstance(weight, GroupInt4) and mode in ("auto", "int4"):
+        return Int4Linear(weight, bias, dtype)
+    if mode == "int4":
+        return Int4Linear(GroupInt4.from_float(weight), bias, dtype)
+    return None

@@ -1,0 +1,176 @@
+"""Weight-only quantization: the int4 / int8 kernels compute what their dequantized weights say,
+one row's result does not depend on the rows beside it, and every common GGUF type loads into
+the same network as its dequantized weights (4-bit blocks kept code for code)."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+
+from saguaro.models import loader
+from saguaro.models.quantized import GROUP, GroupInt4, Int4Linear, Int8Linear, check_mode
+from test_gguf import gguf_tensors, max_diff, saguaro_logits, write_gguf
+
+SHAPES = [(960, 576), (576, 1536), (64, 32)]  # SmolLM2's qkv and down projections, and a tiny one
+
+
+def random_int4(out_features: int, in_features: int, seed: int = 0) -> GroupInt4:
+    gen = torch.Generator().manual_seed(seed)
+    groups = in_features // GROUP
+    return GroupInt4(torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8),
+                     torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3,
+                     -torch.rand(out_features, groups, generator=gen) * 0.2)
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((out.double() - reference).abs().max() / reference.abs().max()).item()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_int4_linear_computes_its_dequantized_weights(shape):
+    weights = random_int4(*shape)
+    x = torch.randn(6, shape[1]).bfloat16()
+    out = Int4Linear(weights, None, torch.bfloat16)(x)
+    reference = x.double() @ weights.dequantize().double().T
+    assert relative_error(out, reference) < 1e-2  # bf16 rounding of the output, scales and offsets
+    # Control: the kernel reads code 8 as zero; an offset taken as the weight at code 0 is caught.
+    shifted = GroupInt4(weights.codes, weights.scales, weights.lows - 8 * weights.scales)
+    assert relative_error(out, x.double() @ shifted.dequantize().double().T) > 0.1
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_int8_linear_computes_its_dequantized_weights(shape):
+    weight = torch.randn(shape) * 0.05
+    layer = Int8Linear(weight, None, torch.bfloat16)
+    x = torch.randn(6, shape[1]).bfloat16()
+    dequantized = layer.codes.double() * layer.scales.double()[:, None]
+    assert relative_error(layer(x), x.double() @ dequantized.T) < 1e-2
+    assert relative_error(layer(x), x.double() @ weight.double().T) < 3e-2  # 8 bits per channel
+
+
+@pytest.mark.parametrize("layer", ["int4", "int8"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(layer):
+    """What batch invariance needs from the kernels: row i of an M-row product is bit-identical
+    to row i computed alone, for every M (torch's int4 kernel works in blocks of 4 rows), so
+    batch invariance runs them on all rows at once (`row_invariant`)."""
+    weights = random_int4(960, 576)
+    module = Int4Linear(weights, None, torch.bfloat16) if layer == "int4" else \
+        Int8Linear(weights.dequantize(), None, torch.bfloat16)
+    assert module.row_invariant
+    x = torch.randn(300, 576).bfloat16()
+    alone = torch.cat([module(x[i:i + 1]) for i in range(len(x))])
+    for rows in (2, 3, 4, 5, 6, 7, 9, 16, 33, 64, 300):
+        assert torch.equal(module(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+def test_from_float_rounds_each_weight_to_its_groups_nearest_step():
+    weight = torch.randn(64, 128)
+    weights = GroupInt4.from_float(weight)
+    step = weights.scales.repeat_interleave(GROUP, dim=1)
+    assert ((weights.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
+    assert int(weights.codes.min()) == 0 and int(weights.codes.max()) == 15
+
+
+def test_modes_are_checked():
+    cpu = torch.device("cpu")
+    assert check_mode(None, torch.bfloat16, cpu) == "auto"
+    assert check_mode("auto", torch.float32, cpu) == check_mode("auto", torch.float16, cpu) == "none"
+    with pytest.raises(ValueError, match="in bf16"):
+        check_mode("int4", torch.float16, cpu)
+    with pytest.raises(ValueError, match="unknown quantization 'q3'"):
+        check_mode("q3", torch.bfloat16, cpu)
+
+
+# --- GGUF types -------------------------------------------------------------------------------
+
+# hidden 256 and intermediate 512: the K-quants' 256-weight blocks run along every input.
+KQUANT_SIZE = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
+INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+TOKENS = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """K-quant blocks with random codes and sub-scales (gguf-py cannot quantize to them): the
+    fp16 super-block scales are set so the weights come out of order 0.1."""
+    blocks = rows * cols // 256
+    if kind == Q.Q4_K:  # d, dmin (fp16), 12 bytes of six-bit scales and mins, 128 bytes of codes
+        raw = rng.integers(0, 256, (blocks, 144), dtype=np.uint8)
+        raw[:, 0:4] = np.array([2e-4, 2e-4], dtype=np.float16).view(np.uint8)
+    else:  # Q6_K: 128 + 64 bytes of codes, 16 int8 scales, d (fp16)
+        raw = rng.integers(0, 256, (blocks, 210), dtype=np.uint8)
+        raw[:, 208:210] = np.array([2e-5], dtype=np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def projection_blocks(source, kind: Q) -> dict[str, tuple[np.ndarray, Q]]:
+    """Every projection of `source` (as llama.cpp lays it out) quantized to `kind`."""
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, array in gguf_tensors(source, "llama").items():
+        if array.ndim == 2 and name.startswith("blk."):
+            blocks = random_blocks(kind, *array.shape, rng) if kind in (Q.Q4_K, Q.Q6_K) else \
+                gguf.quants.quantize(array, kind)
+            out[name] = (blocks, kind)
+    return out
+
+
+@pytest.fixture(scope="module")
+def source():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**KQUANT_SIZE, initializer_range=0.05)
+    return transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module", params=TYPES, ids=lambda kind: kind.name)
+def files(request, source, tmp_path_factory):
+    """(type, its file, the same network written as its dequantized fp32 weights)."""
+    kind, folder = request.param, tmp_path_factory.mktemp(request.param.name)
+    quantized = projection_blocks(source, kind)
+    dequantized = {name: gguf.quants.dequantize(blocks, kind) for name, (blocks, kind) in quantized.items()}
+    return (kind, write_gguf(folder / "q.gguf", source, "llama", "tiny", tensors=quantized),
+            write_gguf(folder / "f32.gguf", source, "llama", "tiny", tensors=dequantized))
+
+
+def test_every_gguf_type_loads_as_its_dequantized_weights(files, source):
+    kind, file, reference = files
+    expected = saguaro_logits(loader.load_model(reference), TOKENS)
+    assert max_diff(saguaro_logits(loader.load_model(file, quantization="none"), TOKENS), expected) < 1e-4
+    if kind in (Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1):  # control: the quantization is visible in the logits
+        unquantized = saguaro_logits(loader.load_model(write_gguf(file.with_name("src.gguf"), source, "llama", "tiny")),
+                                     TOKENS)
+        assert max_diff(unquantized, expected) > 1e-3
+
+
+def test_4_bit_blocks_run_as_int4_with_their_own_codes(files):
+    kind, file, reference = files
+    model = loader.load_model(file, torch.bfloat16)
+    projections = [m for name, m in model.named_modules() if name.endswith("_proj")]
+    assert all(isinstance(m, Int4Linear) for m in projections) == (kind in INT4_TYPES)
+    if kind in INT4_TYPES:
+        expected = saguaro_logits(loader.load_model(reference), TOKENS)
+        assert max_diff(saguaro_logits(model, TOKENS), expected) < 0.05 * expected.abs().max()
+
+
+@pytest.mark.parametrize("kind", INT4_TYPES, ids=lambda kind: kind.name)
+def test_int4_codes_reproduce_the_gguf_dequantization_exactly(kind, source, tmp_path):
+    file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
+    for tensor in gguf.GGUFReader(str(file)).tensors:
+        if tensor.tensor_type == kind:
+            expected = torch.from_numpy(np.asarray(loader.dequantize_gguf(tensor), dtype=np.float32))
+            torch.testing.assert_close(loader.gguf_int4(tensor).dequantize(), expected, rtol=1e-6, atol=0)
+
+
+def test_explicit_modes_quantize_every_projection(files):
+    kind, file, _ = files
+    if kind != Q.Q8_0:
+        pytest.skip("one file is enough")
+    for mode, layer in (("int8", Int8Linear), ("int4", Int4Linear)):
+        model = loader.load_model(file, torch.bfloat16, quantization=mode)
+        assert all(isinstance(m, layer) for name, m in model.named_modules() if name.endswith("_proj"))
+    plain = loader.load_model(file, torch.bfloat16, quantization="none")
+    assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in plain.modules())
