@@ -174,3 +174,16 @@ def test_explicit_modes_quantize_every_projection(files):
         assert all(isinstance(m, layer) for name, m in model.named_modules() if name.endswith("_proj"))
     plain = loader.load_model(file, torch.bfloat16, quantization="none")
     assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in plain.modules())
+
+
+def test_the_command_line_takes_the_modes():
+    import argparse
+
+    from saguaro.llm import add_llm_arguments
+
+    parser = argparse.ArgumentParser()
+    add_llm_arguments(parser)
+    assert parser.parse_args([]).quantization == "auto"
+    assert parser.parse_args(["--quantization", "int8"]).quantization == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "q3"])
