@@ -209,3 +209,45 @@ def test_unsupported_gguf_raises_a_clear_error(case, tmp_path):
     file = write_gguf(tmp_path / "model.gguf", source_model("mistral"), name="tiny", **options)
     with pytest.raises(UnsupportedModelError, match=message):
         load_model(file)
+
+
+def test_a_gguf_tokenizer_is_cached_and_reads_back_the_same(smollm2_path, tmp_path, monkeypatch):
+    from saguaro.models.loader import load_tokenizer
+
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    built = load_tokenizer(smollm2_path)  # converted from the GGUF file, then saved
+    cached = load_tokenizer(smollm2_path)
+    assert list((tmp_path / "tokenizers").iterdir()) and str(tmp_path) in cached.name_or_path
+    texts = ["def quicksort(xs):\n    return xs  # ünïcode, 中文, emoji 🌵", "  leading spaces\n\n\ttabs"]
+    assert [cached(t)["input_ids"] for t in texts] == [built(t)["input_ids"] for t in texts]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
+    assert cached.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        built.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert (cached.eos_token_id, cached.bos_token_id, len(cached)) == (built.eos_token_id, built.bos_token_id, len(built))
+    ids = built(texts[0])["input_ids"]
+    assert cached.decode(ids) == built.decode(ids)
+
+
+def assert_reads_like_gguf_py(path: Path) -> None:
+    from saguaro.models.gguf_file import read_gguf_file
+
+    ours, theirs = read_gguf_file(path), gguf.GGUFReader(str(path))
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields.keys() == expected.keys()
+    for key, value in expected.items():
+        assert ours.fields[key] == (pytest.approx(value) if isinstance(value, float) else value), key
+    assert len(ours.tensors) == len(theirs.tensors)
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.shape, a.tensor_type) == (b.name, tuple(int(n) for n in b.shape), b.tensor_type)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+
+def test_gguf_file_reads_what_gguf_py_reads(converted):
+    """saguaro's own reader (gguf_file.py) against gguf-py's GGUFReader: every metadata value and
+    every tensor's name, shape, type and bytes."""
+    assert_reads_like_gguf_py(converted[2])
+
+
+def test_gguf_file_reads_the_shipped_model_as_gguf_py_does(smollm2_path):
+    """Q4_1 and Q8_0 tensors, and the tokenizer's 49,152 tokens and merges."""
+    assert_reads_like_gguf_py(smollm2_path)

@@ -11,6 +11,8 @@ import torch
 
 from saguaro.models.config import ModelConfig, UnsupportedModelError
 from saguaro.models.eagle import model_class
+from saguaro.models.gguf_file import GGUFFile, read_gguf_file
+from saguaro.models.hub import cache_dir
 from saguaro.models.llama import LlamaModel, rope_inv_freq
 from saguaro.models.packed import pack_linears
 from saguaro.models.quantized import GROUP, GroupInt4, check_mode, quantized_linear
@@ -62,16 +64,15 @@ def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 # --- GGUF -----------------------------------------------------------------------------------
 
-def _gguf_value(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _gguf_value(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 # Mistral has no GGUF architecture of its own: llama.cpp writes it as "llama".
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
-def gguf_hf_config(reader) -> dict:
+def gguf_hf_config(reader: GGUFFile) -> dict:
     """The GGUF metadata expressed as a Hugging Face config.json dictionary."""
     arch = _gguf_value(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -106,7 +107,7 @@ def gguf_hf_config(reader) -> dict:
     return config
 
 
-def gguf_rope_scaling(reader, arch: str, head_dim: int) -> dict | None:
+def gguf_rope_scaling(reader: GGUFFile, arch: str, head_dim: int) -> dict | None:
     """Rope scaling as llama.cpp applies it: inverse frequencies divided by a linear factor and
     by the per-dimension divisors of a `rope_freqs` tensor, where Llama 3's scaling is baked in
     (its `rope.scaling.*` keys are not written). Any other scaling type raises."""
@@ -193,9 +194,7 @@ def gguf_tensor_name(gguf_name: str) -> str | None:
 
 def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupInt4]]:
     """Config and weights; 4-bit blocks as GroupInt4, everything else dequantized to fp32."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(file))
+    reader = read_gguf_file(file)
     config = ModelConfig.from_hf(gguf_hf_config(reader))
     state: dict[str, torch.Tensor | GroupInt4] = {}
     for tensor in reader.tensors:
@@ -394,7 +393,11 @@ def _has_own_embeddings(folder: str | Path) -> bool:
 
 
 def load_tokenizer(path: str | Path):
-    """A Hugging Face tokenizer, chat template included, from a folder or a GGUF file."""
+    """A Hugging Face tokenizer, chat template included, from a folder or a GGUF file.
+
+    Building one from a GGUF file's vocabulary takes seconds (transformers converts it anew),
+    so the result is kept in the cache as a tokenizer folder, keyed by the file's name, size
+    and modification time, and read from there next time."""
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
@@ -402,8 +405,32 @@ def load_tokenizer(path: str | Path):
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()
     try:
-        if gguf_file is not None:
-            return AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file.name)
-        return AutoTokenizer.from_pretrained(str(folder))
+        if gguf_file is None:
+            return AutoTokenizer.from_pretrained(str(folder))
+        stat = gguf_file.stat()
+        cached = cache_dir() / "tokenizers" / f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+        if cached.is_dir():
+            return AutoTokenizer.from_pretrained(str(cached))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file.name)
+        _save_atomically(tokenizer, cached)
+        return tokenizer
     finally:
         logging.set_verbosity(verbosity)
+
+
+def _save_atomically(tokenizer, folder: Path) -> None:
+    """Writes next to `folder` and renames, so a reader never sees half a tokenizer; a cache that
+    cannot be written only costs the next load its speed."""
+    import shutil
+    import tempfile
+
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent))
+        tokenizer.save_pretrained(str(staging))
+        try:
+            staging.rename(folder)
+        except OSError:  # another process got there first
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError:
+        pass

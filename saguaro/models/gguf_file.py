@@ -1,0 +1,107 @@
+"""A GGUF file's metadata and tensors, read straight from a memory map.
+
+gguf-py's GGUFReader builds numpy views for every element of every metadata array, which
+takes seconds for a 49,152-token vocabulary and its merges; this reads the same layout (GGUF
+v2 and v3, little-endian) in a fraction of that. Tensors come out as GGUFReader gives them:
+`shape` innermost dimension first, `data` typed for float and integer tensors and raw bytes
+([..., bytes per row]) for quantized ones, which is what gguf-py's `dequantize` takes.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from saguaro.models.config import UnsupportedModelError
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_PLAIN_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                GGMLQuantizationType.I64: np.int64}
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # innermost first (ggml's order)
+    tensor_type: GGMLQuantizationType
+    data: np.ndarray
+
+
+@dataclass
+class GGUFFile:
+    fields: dict[str, object]  # key -> number, string or list
+    tensors: list[GGUFTensor]
+
+
+class _Cursor:
+    def __init__(self, buffer: np.ndarray):
+        self.buffer, self.offset = buffer, 0
+
+    def scalar(self, code: str):
+        value, = struct.unpack_from("<" + code, self.buffer, self.offset)
+        self.offset += struct.calcsize(code)
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("Q")
+        text = bytes(self.buffer[self.offset:self.offset + length]).decode("utf-8", errors="replace")
+        self.offset += length
+        return text
+
+    def value(self, kind: int):
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise UnsupportedModelError(f"unknown GGUF metadata type {kind}")
+        item, count = self.scalar("I"), self.scalar("Q")
+        if item in _SCALARS and item != 7:
+            dtype = np.dtype("<" + _SCALARS[item])
+            values = np.frombuffer(self.buffer, dtype, count, self.offset).tolist()
+            self.offset += dtype.itemsize * count
+            return values
+        return [self.value(item) for _ in range(count)]
+
+
+def read_gguf_file(path: str | Path) -> GGUFFile:
+    buffer = np.memmap(path, dtype=np.uint8, mode="r")
+    cursor = _Cursor(buffer)
+    if bytes(buffer[:4]) != b"GGUF":
+        raise UnsupportedModelError(f"{path} is not a GGUF file")
+    cursor.offset = 4
+    version = cursor.scalar("I")
+    if version not in (2, 3):
+        raise UnsupportedModelError(f"{path}: GGUF version {version} (big-endian or unknown) is not supported")
+    tensor_count, field_count = cursor.scalar("Q"), cursor.scalar("Q")
+    fields = {}
+    for _ in range(field_count):
+        key = cursor.string()
+        fields[key] = cursor.value(cursor.scalar("I"))
+    infos = []
+    for _ in range(tensor_count):
+        name = cursor.string()
+        shape = tuple(cursor.scalar("Q") for _ in range(cursor.scalar("I")))
+        infos.append((name, shape, GGMLQuantizationType(cursor.scalar("I")), cursor.scalar("Q")))
+    alignment = fields.get("general.alignment", 32)
+    start = -(-cursor.offset // alignment) * alignment
+    return GGUFFile(fields, [GGUFTensor(name, shape, kind, _tensor_data(buffer, start + offset, shape, kind))
+                             for name, shape, kind, offset in infos])
+
+
+def _tensor_data(buffer: np.ndarray, offset: int, shape: tuple[int, ...], kind: GGMLQuantizationType) -> np.ndarray:
+    outer = tuple(reversed(shape[1:]))
+    if kind in _PLAIN_TYPES:
+        dtype = np.dtype(_PLAIN_TYPES[kind])
+        count = int(np.prod(shape))
+        return np.frombuffer(buffer, dtype, count, offset).reshape(*outer, shape[0])
+    block_size, block_bytes = GGML_QUANT_SIZES[kind]
+    row_bytes = shape[0] // block_size * block_bytes
+    count = row_bytes * int(np.prod(outer, dtype=np.int64))
+    return np.frombuffer(buffer, np.uint8, count, offset).reshape(*outer, row_bytes)
