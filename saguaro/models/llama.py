@@ -32,6 +32,16 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that leaves a table on the meta device uninitialized: the loaders build
+    models there and assign the checkpoint's weights, and normal_ on meta would first import
+    torch._dynamo (seconds)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies, with the linear or llama3 long-context scaling when configured, or
     divided by per-dimension `divisors` (how a GGUF file carries Llama 3's scaling)."""
@@ -138,7 +148,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.batch_invariant = False
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.head_vocab_size or config.vocab_size, bias=False)
