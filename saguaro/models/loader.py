@@ -1,6 +1,7 @@
 """Loads checkpoints: local Hugging Face folders (safetensors), GGUF files (4-bit blocks kept as
-int4 codes, every other type dequantized) and saguaro's own folders (config.json with ModelConfig fields + model.safetensors), which drafts
-use and which may leave out the embedding table they share with their target."""
+int4 codes, every other type dequantized) and saguaro's own folders (config.json with
+ModelConfig fields + model.safetensors), which drafts use and which may leave out the
+embedding table they share with their target."""
 from __future__ import annotations
 
 import json
