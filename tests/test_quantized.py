@@ -187,3 +187,30 @@ def test_the_command_line_takes_the_modes():
     assert parser.parse_args(["--quantization", "int8"]).quantization == "int8"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "q3"])
+
+
+@pytest.mark.parametrize("layer", ["int4", "int8"])
+def test_the_state_dict_gives_the_weights_the_kernel_multiplies_by(layer):
+    weights = random_int4(192, 64)
+    module = Int4Linear(weights, None, torch.bfloat16) if layer == "int4" else \
+        Int8Linear(weights.dequantize(), None, torch.bfloat16)
+    state = module.state_dict()
+    assert set(state) == {"weight"} and state["weight"].shape == (192, 64)
+    reference = weights.dequantize() if layer == "int4" else module.codes.float() * module.scales.float()[:, None]
+    assert relative_error(state["weight"], reference.double()) < 1e-2
+    x = torch.randn(5, 64).bfloat16()
+    assert relative_error(module(x), x.double() @ state["weight"].double().T) < 1e-2
+
+
+def test_a_draft_initializes_from_an_int4_target(files):
+    """`saguaro distill` copies target layers into the draft through the state dict."""
+    from saguaro.distill.draft import DraftSpec, init_draft
+
+    kind, file, _ = files
+    if kind != Q.Q4_0:
+        pytest.skip("one file is enough")
+    target = loader.load_model(file, torch.bfloat16)
+    draft = init_draft(target, DraftSpec(layers=(1,), head_vocab=16), torch.arange(16))
+    expected = target.layers[1].mlp.down_proj.weight.float()
+    assert isinstance(target.layers[1].mlp.down_proj, Int4Linear)
+    assert torch.equal(draft.layers[0].mlp.down_proj.weight, expected)

@@ -60,53 +60,76 @@ def fits_int4(out_features: int, in_features: int) -> bool:
     return out_features % 16 == 0 and in_features % GROUP == 0
 
 
-class Int4Linear(nn.Module):
-    """y = x @ W.T (+ bias) with W held as GroupInt4, computed by torch's int4 CPU kernel."""
+class QuantizedLinear(nn.Module):
+    """What the int4 and int8 layers share. Like PackedLinear, an inference-only nn.Linear whose
+    `weight` and state dict still give the plain matrix (dequantized, as the kernel reads it),
+    which draft initialization and the transformers peer copy."""
 
     row_invariant = True  # each row's sums in the same order however many rows (tests/test_quantized.py)
 
-    def __init__(self, weights: GroupInt4, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None):
         super().__init__()
-        self.out_features, self.in_features = weights.shape
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("bias", bias)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[out, in]: the kernel applied to the identity, so exactly the weights it multiplies by."""
+        return self.matmul(torch.eye(self.in_features, dtype=self.compute_dtype)).T.contiguous()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int4Linear(QuantizedLinear):
+    """Weights held as GroupInt4, computed by torch's int4 CPU kernel."""
+
+    def __init__(self, weights: GroupInt4, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__(*weights.shape, bias)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.codes.int(), 2),
                              persistent=False)
         # The kernel computes (code - 8) * scale + zero: the zero is the weight at code 8.
         zeros = weights.lows + 8 * weights.scales
         self.register_buffer("scales_and_zeros", torch.stack([weights.scales, zeros], -1).transpose(0, 1)
                              .contiguous().to(dtype), persistent=False)
-        self.bias = bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
+        return f"{super().extra_repr()}, group={GROUP}"
 
 
-class Int8Linear(nn.Module):
-    """y = x @ W.T (+ bias) with W held as int8 and one scale per output (symmetric)."""
-
-    row_invariant = True
+class Int8Linear(QuantizedLinear):
+    """Weights held as int8 with one scale per output (symmetric)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
+        super().__init__(*weight.shape, bias)
         scales = (weight.float().abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         self.register_buffer("codes", (weight.float() / scales[:, None]).round_().to(torch.int8), persistent=False)
         self.register_buffer("scales", scales.to(dtype), persistent=False)
-        self.bias = bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch._weight_int8pack_mm(rows, self.codes, self.scales)
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales.dtype
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(rows, self.codes, self.scales)
 
 
 def check_mode(quantization: str | None, dtype: torch.dtype, device: torch.device) -> str:
