@@ -16,7 +16,7 @@ from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.loader import load_model, load_tokenizer, resolve_dtype
 from saguaro.models.quantized import MODES
-from saguaro.outputs import RequestMetrics, RequestOutput
+from saguaro.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from saguaro.speculation.build import make_decoder
 
 Prompt = str | list[dict] | list[int]
@@ -39,11 +39,16 @@ class LLM:
     default) runs a GGUF file's 4-bit blocks as int4 on CPU in bf16, as llama.cpp runs them,
     and everything else in `dtype`; "none" dequantizes everything to `dtype`; "int8" and "int4"
     quantize every projection (int4 keeps 4-bit GGUF blocks as they are).
+    enable_prefix_caching: keep prompts' KV entries (the target's and the draft's, up to
+    prefix_cache_mb MiB each, least recently used out first) so that a prompt starting like an
+    earlier one, or the n samples of one prompt, run only what is new
+    (saguaro.models.prefix_cache). Batch-invariant decoding gives the same tokens either way.
     """
 
     def __init__(self, model: str = hub.DEFAULT_MODEL, speculative_config: SpeculativeConfig | dict | None = None,
                  device: str = "cpu", dtype: str | torch.dtype = "auto", num_threads: int | None = None,
-                 batch_invariant: bool = True, quantization: str | None = "auto", **speculative_options):
+                 batch_invariant: bool = True, quantization: str | None = "auto", enable_prefix_caching: bool = True,
+                 prefix_cache_mb: float = 512.0, **speculative_options):
         self.speculative_config = SpeculativeConfig.of(speculative_config, **speculative_options)
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -54,7 +59,10 @@ class LLM:
         self.target.set_batch_invariant(batch_invariant)
         self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]
         self._ids = itertools.count()
-        self.engine = Engine(make_decoder(self.target, self.speculative_config, str(model)))
+        if prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
+        budget = prefix_cache_mb if enable_prefix_caching else 0.0
+        self.engine = Engine(make_decoder(self.target, self.speculative_config, str(model), budget))
 
     @property
     def method(self) -> str:
@@ -93,23 +101,29 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, on_token: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
-        """Decodes every prompt as one batch; returns one RequestOutput per prompt, in order.
+        """Decodes every prompt as one batch; returns one RequestOutput per prompt, in order,
+        with SamplingParams.n samples each (the prompt runs once, the others reuse it through
+        the prefix cache).
 
-        on_token(index, new_text) is called as text becomes final (for streaming): the pieces
-        of a prompt add up to its output's text."""
+        on_token(index, new_text) is called as text becomes final (for streaming, n = 1): the
+        pieces of a prompt add up to its output's text."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (dict, int))):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = list(params) if isinstance(params, SequenceABC) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        seqs = [self.new_sequence(self.encode(p), sp) for p, sp in zip(prompts, params)]
+        if on_token is not None and any(p.n > 1 for p in params):
+            raise ValueError("on_token streams one sample per prompt: use n = 1")
+        samples = [[self.new_sequence(ids, sample) for sample in sp.samples()]
+                   for ids, sp in zip(map(self.encode, prompts), params)]
+        seqs = [seq for group in samples for seq in group]
         longest = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) + self.decoder.lookahead
         limit = self.target.config.max_position_embeddings
         if longest > limit:
             raise ValueError(f"prompt + max_tokens ({longest} tokens) exceeds the model's context of {limit}")
         self.decoder.reserve(len(seqs), longest)
-        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        index = {s.seq_id: i for i, group in enumerate(samples) for s in group}
         self.engine.add(seqs)
         total = sum(s.params.max_tokens for s in seqs)
         try:
@@ -123,18 +137,21 @@ class LLM:
         except BaseException:  # interrupted or failed: free what the batch held for the next call
             self.engine.abort(seqs)
             raise
-        return [self._output(seq, prompt) for seq, prompt in zip(seqs, prompts)]
+        return [self._output(group, prompt) for group, prompt in zip(samples, prompts)]
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """A request for this engine's decoder, with an id unique in this LLM (generate and the
         server's scheduler both make them)."""
         return Sequence(next(self._ids), prompt_ids, params, self.eos_token_ids, self.tokenizer)
 
-    def _output(self, seq: Sequence, prompt: Prompt) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.seq_id, prompt=prompt, prompt_token_ids=seq.prompt_ids, text=seq.text,
-            token_ids=seq.output_ids, finish_reason=seq.finish_reason,
-            metrics=RequestMetrics.of(seq.stats, len(seq.output_ids), self.decoder.num_speculative_tokens))
+    def _output(self, samples: list[Sequence], prompt: Prompt) -> RequestOutput:
+        k = self.decoder.num_speculative_tokens
+        outputs = [CompletionOutput(j, s.text, s.output_ids, s.finish_reason,
+                                    RequestMetrics.of(s.stats, len(s.output_ids), k)) for j, s in enumerate(samples)]
+        first = outputs[0]
+        return RequestOutput(request_id=samples[0].seq_id, prompt=prompt, prompt_token_ids=samples[0].prompt_ids,
+                             text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
+                             metrics=first.metrics, outputs=outputs)
 
 
 def add_llm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,10 +167,16 @@ def add_llm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantization", default="auto", choices=MODES,
                        help="auto: a GGUF's 4-bit blocks run as int4 (CPU, bf16), the rest in --dtype; "
                             "none: all in --dtype; int8 / int4: every projection quantized (default: %(default)s)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV entries of prompts that start like earlier ones (default: on)")
+    group.add_argument("--prefix-cache-mb", type=float, default=512.0,
+                       help="MiB of prompt KV entries kept for reuse, the target's and the draft's each "
+                            "(default: %(default)s)")
     add_speculative_arguments(parser)
 
 
 def llm_from_args(args: argparse.Namespace) -> LLM:
     """The LLM the options of add_llm_arguments describe."""
     return LLM(args.model, speculative_config_from_args(args), device=args.device, dtype=args.dtype, num_threads=args.threads,
-               batch_invariant=args.batch_invariant, quantization=args.quantization)
+               batch_invariant=args.batch_invariant, quantization=args.quantization,
+               enable_prefix_caching=args.enable_prefix_caching, prefix_cache_mb=args.prefix_cache_mb)

@@ -17,6 +17,7 @@ class RequestMetrics:
     mean_acceptance_length: float | None  # SD/SSD: committed tokens per round
     per_position_acceptance: list[float] | None  # SD/SSD: share of rounds accepting draft i
     cache_hit_rate: float | None = None  # SSD only
+    num_cached_tokens: int = 0  # prompt tokens whose KV entries came from the prefix cache
 
     @classmethod
     def of(cls, stats: SequenceStats, num_output_tokens: int, k: int | None) -> "RequestMetrics":
@@ -35,11 +36,24 @@ class RequestMetrics:
             per_position_acceptance=[sum(n - 1 > i for n in lengths) / len(lengths) for i in range(k)]
             if lengths and k else None,
             cache_hit_rate=sum(stats.cache_hits) / len(stats.cache_hits) if stats.cache_hits else None,
+            num_cached_tokens=stats.cached_tokens,
         )
 
 
 @dataclass
+class CompletionOutput:
+    """One of a request's n samples."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: RequestMetrics
+
+
+@dataclass
 class RequestOutput:
+    """A prompt's outputs: `outputs` holds its n samples (SamplingParams.n); text, token_ids,
+    finish_reason and metrics are the first sample's, the whole answer when n = 1."""
     request_id: int
     prompt: str | list
     prompt_token_ids: list[int]
@@ -47,3 +61,4 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     metrics: RequestMetrics
+    outputs: list[CompletionOutput]

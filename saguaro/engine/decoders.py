@@ -10,12 +10,13 @@ from typing import Protocol
 
 import torch
 
-from saguaro.engine.runner import forward_chunks, last_hidden
+from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import WarpParams, sample, uniforms, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.verify import point_masses, verify, verify_greedy
 from saguaro.models.kv_cache import CacheRows, KVCache, ensure_cache
 from saguaro.models.llama import LlamaModel
+from saguaro.models.prefix_cache import PrefixCache
 
 
 class Decoder(Protocol):
@@ -55,11 +56,13 @@ def sample_next(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 
 class ARDecoder:
-    """One target pass per token. SD and SSD verify with verify_and_commit."""
+    """One target pass per token. SD and SSD verify with verify_and_commit.
+    prefix_cache: where prompts' KV entries are kept for later prompts that start the same way."""
     num_speculative_tokens: int | None = None
 
-    def __init__(self, target: LlamaModel):
+    def __init__(self, target: LlamaModel, prefix_cache: PrefixCache | None = None):
         self.target = target
+        self.prefix_cache = prefix_cache
         self.cache: KVCache | None = None
         self.rows = CacheRows()
 
@@ -74,7 +77,7 @@ class ARDecoder:
         self.rows.free([s.seq_id for s in seqs])
 
     def metrics(self) -> dict:
-        return {}
+        return self.prefix_cache.summary() if self.prefix_cache is not None else {}
 
     def close(self) -> None:
         pass
@@ -86,11 +89,13 @@ class ARDecoder:
     def prefill(self, seqs: list[Sequence]) -> None:
         self.rows.assign([s.seq_id for s in seqs], self.cache.num_rows)
         chunks = [s.prompt_ids for s in seqs]
-        hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [0] * len(seqs))
-        first = sample_next(self.target.logits(last_hidden(hidden, chunks)), seqs)
+        hidden, starts = prefill_chunks(self.target, self.cache, self._rows(seqs), chunks, self.prefix_cache)
+        tails = [chunk[start:] for chunk, start in zip(chunks, starts)]
+        first = sample_next(self.target.logits(last_hidden(hidden, tails)), seqs)
         for i, (seq, token) in enumerate(zip(seqs, first)):
+            seq.stats.cached_tokens = starts[i]
             seq.commit([token])
-            self.keep_hidden(seq, hidden[i, :len(chunks[i])])
+            self.keep_hidden(seq, hidden[i, :len(tails[i])])
 
     def step(self, seqs: list[Sequence]) -> None:
         chunks = [[s.token_ids[-1]] for s in seqs]

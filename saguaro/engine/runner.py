@@ -5,6 +5,7 @@ import torch
 
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel
+from saguaro.models.prefix_cache import PrefixCache
 
 
 def forward_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]],
@@ -43,3 +44,42 @@ def last_hidden(hidden: torch.Tensor, chunks: list[list[int]]) -> torch.Tensor:
     """Each row's hidden state at its last real token: [B, hidden]."""
     last = torch.tensor([len(c) - 1 for c in chunks], device=hidden.device)
     return hidden[torch.arange(len(chunks), device=hidden.device), last]
+
+
+def prefill_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]],
+                   prefix_cache: PrefixCache | None = None, features: list[torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, list[int]]:
+    """Runs each chunk (a prompt) into its row from position 0, after copying in the KV entries
+    of its longest prefix that the prefix cache holds; then caches the chunks' blocks.
+
+    Chunks that share uncached blocks with an earlier chunk of the same call run in a second
+    pass, after the first has cached those blocks (n samples of one prompt, requests with one
+    system prompt arriving together compute it once). Returns the hidden states of the tokens
+    that ran, [B, T, hidden], row i's first len(chunks[i]) - starts[i] being chunk i's tail,
+    and the starts: how many tokens of each chunk came from the cache. A model that reads
+    features (an EAGLE draft) runs whole chunks, without a prefix cache."""
+    if prefix_cache is None:
+        return forward_chunks(model, cache, rows, chunks, [0] * len(chunks), features), [0] * len(chunks)
+    first, second, computed = [], [], set()
+    for i, chunk in enumerate(chunks):
+        keys = prefix_cache.block_keys(chunk[:-1])
+        uncached = keys[prefix_cache.cached_blocks(chunk[:-1]):]
+        (second if computed.intersection(uncached) else first).append(i)
+        computed.update(uncached)
+    starts = [0] * len(chunks)
+    tails: dict[int, torch.Tensor] = {}
+    for group in (first, second):
+        if not group:
+            continue
+        for i in group:
+            starts[i] = prefix_cache.restore(cache, rows[i], chunks[i])
+        hidden = forward_chunks(model, cache, [rows[i] for i in group], [chunks[i][starts[i]:] for i in group],
+                                [starts[i] for i in group])
+        for j, i in enumerate(group):
+            prefix_cache.store(cache, rows[i], chunks[i])
+            tails[i] = hidden[j, :len(chunks[i]) - starts[i]]
+    width = max(len(t) for t in tails.values())
+    hidden = tails[0].new_zeros(len(chunks), width, tails[0].shape[-1])
+    for i, tail in tails.items():
+        hidden[i, :len(tail)] = tail
+    return hidden, starts

@@ -6,9 +6,12 @@ agree and its residual is the target's argmax.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+
+
+SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n seeds derived from one seed are distinct
 
 
 @dataclass
@@ -21,6 +24,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # independent samples of the prompt
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -33,6 +37,15 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+    def samples(self) -> list[SamplingParams]:
+        """Each of the n samples' parameters, n = 1 each. A seed gives sample j a seed of its
+        own derived from it (sample 0 keeps it), so the samples are independent and the whole
+        request reproducible; without one each sample draws a random seed."""
+        return [replace(self, n=1, seed=None if self.seed is None else (self.seed + j * SEED_STRIDE) % 2 ** 63)
+                for j in range(self.n)]
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,7 @@ from saguaro.engine.sampler import SamplingParams
 class SequenceStats:
     """Raw measurements; RequestMetrics turns them into the reported figures."""
     prompt_len: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV entries came from the prefix cache
     t_arrival: float = 0.0
     t_first_token: float | None = None
     t_finish: float | None = None

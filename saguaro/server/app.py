@@ -1,8 +1,9 @@
 """The HTTP side of `saguaro serve`: an OpenAI-compatible FastAPI app in front of a Scheduler.
 
-The scheduler thread owns the model; each HTTP request submits one engine request and reads
-its updates from an asyncio queue that the scheduler fills through call_soon_threadsafe. A
-request whose client goes away is cancelled, which frees its place in the batch and its cache.
+The scheduler thread owns the model; each HTTP request submits one engine request per sample
+(n of them, which share the prompt's prefill through the prefix cache) and reads their updates
+from an asyncio queue that the scheduler fills through call_soon_threadsafe. A request whose
+client goes away is cancelled, which frees its places in the batch and its cache.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
 from saguaro.server import scheduler as sched
 from saguaro.server import metrics
@@ -40,36 +42,48 @@ class ServerConfig:
 
 
 class EngineStream:
-    """One engine request's updates, carried from the scheduler thread to the event loop."""
+    """The updates of one HTTP request's engine requests (one per sample), carried from the
+    scheduler thread to the event loop as (sample index, update)."""
 
-    def __init__(self, scheduler: sched.Scheduler, prompt_ids: list[int], params):
+    def __init__(self, scheduler: sched.Scheduler, prompt_ids: list[int], params: SamplingParams):
         self.scheduler = scheduler
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[sched.Update] = asyncio.Queue()
-        self.done = False
+        self.queue: asyncio.Queue[tuple[int, sched.Update]] = asyncio.Queue()
+        self.request_ids: list[int] = []
+        self.running: set[int] = set()  # samples not ended
         try:
-            self.request_id = scheduler.submit(sched.Request(prompt_ids, params, self._put))
-        except sched.QueueFull as e:
-            raise APIError(429, f"the server is busy ({e}); retry later", "rate_limit_error",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
-        except sched.ShuttingDown as e:
-            raise APIError(503, str(e), "server_error") from e
-        except ValueError as e:
+            for index, sample in enumerate(params.samples()):
+                self.request_ids.append(scheduler.submit(sched.Request(prompt_ids, sample, self._putter(index))))
+                self.running.add(index)
+        except (sched.QueueFull, sched.ShuttingDown, ValueError) as e:
+            self.close()  # all samples or none
+            if isinstance(e, sched.QueueFull):
+                raise APIError(429, f"the server is busy ({e}); retry later", "rate_limit_error",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+            if isinstance(e, sched.ShuttingDown):
+                raise APIError(503, str(e), "server_error") from e
             raise APIError(400, str(e), param="max_tokens") from e
 
-    def _put(self, update: sched.Update) -> None:  # on the scheduler thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+    @property
+    def done(self) -> bool:
+        return not self.running
 
-    async def next(self) -> sched.Update:
-        update = await self.queue.get()
-        self.done = update.done
-        return update
+    def _putter(self, index: int):
+        def put(update: sched.Update) -> None:  # on the scheduler thread
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, update))
+        return put
+
+    async def next(self) -> tuple[int, sched.Update]:
+        index, update = await self.queue.get()
+        if update.done:
+            self.running.discard(index)
+        return index, update
 
     def close(self) -> None:
-        """Cancels the engine request unless it has ended."""
-        if not self.done:
-            self.done = True
-            self.scheduler.cancel(self.request_id)
+        """Cancels the samples that have not ended."""
+        for index in sorted(self.running):
+            self.scheduler.cancel(self.request_ids[index])
+        self.running.clear()
 
 
 class BodyLimit:
@@ -226,36 +240,44 @@ class Reply:
     def _envelope(self, object: str, choices: list[dict], usage_: dict | None = None) -> dict:
         return envelope(self.id, object, self.model, choices, usage_, self.created)
 
-    def _chunk(self, text: str, finish_reason: str | None, first: bool) -> dict:
+    def _chunk(self, text: str, finish_reason: str | None, first: bool, index: int) -> dict:
         if not self.chat:
-            return self._envelope(self.chunk_object, [completion_choice(text, finish_reason)])
+            return self._envelope(self.chunk_object, [completion_choice(text, finish_reason, index)])
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return self._envelope(self.chunk_object, [chat_delta(delta, finish_reason)])
+        return self._envelope(self.chunk_object, [chat_delta(delta, finish_reason, index)])
+
+    @staticmethod
+    def _usage(last: dict[int, sched.Update]) -> dict:
+        """The prompt counts once (its cached tokens as the first sample found them); the
+        completion tokens of every sample add up."""
+        first = last[min(last)]
+        return usage(first.num_prompt_tokens, sum(u.num_output_tokens for u in last.values()), first.num_cached_tokens)
 
     async def events(self, stream: EngineStream, include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events; an engine error ends the stream with an error event."""
+        """Server-sent events, each sample's chunks under its choice index; an engine error
+        ends the stream with an error event."""
         try:
-            first = True
-            while True:
-                update = await stream.next()
+            last: dict[int, sched.Update] = {}
+            while not stream.done:
+                index, update = await stream.next()
                 if update.error is not None:
                     yield sse(error_body(update.error, "server_error"))
                     break
+                first = index not in last
+                last[index] = update
                 if update.text or update.finish_reason or first:
-                    yield sse(self._chunk(update.text, update.finish_reason, first))
-                    first = False
-                if update.done:
-                    if include_usage:
-                        yield sse(self._envelope(self.chunk_object, [],
-                                                 usage(update.num_prompt_tokens, update.num_output_tokens)))
-                    break
+                    yield sse(self._chunk(update.text, update.finish_reason, first, index))
+            else:
+                if include_usage:
+                    yield sse(self._envelope(self.chunk_object, [], self._usage(last)))
             yield "data: [DONE]\n\n"
         finally:
             stream.close()
 
     async def whole(self, stream: EngineStream, request: Request) -> JSONResponse:
-        """Waits for the end, watching for the client going away meanwhile."""
-        parts = []
+        """Waits for every sample's end, watching for the client going away meanwhile."""
+        parts: dict[int, list[str]] = {}
+        last: dict[int, sched.Update] = {}
         pending = asyncio.ensure_future(stream.next())
         try:
             while True:
@@ -264,20 +286,21 @@ class Reply:
                     return JSONResponse(error_body("the client disconnected"), status_code=499)
                 if not done:
                     continue
-                update = pending.result()
+                index, update = pending.result()
                 if update.error is not None:
                     status = 503 if "shutting down" in update.error else 500
                     return JSONResponse(error_body(update.error, "server_error"), status_code=status)
-                parts.append(update.text)
-                if update.done:
+                parts.setdefault(index, []).append(update.text)
+                last[index] = update
+                if stream.done:
                     break
                 pending = asyncio.ensure_future(stream.next())
         finally:
             pending.cancel()
             stream.close()
-        choice = (chat_choice if self.chat else completion_choice)("".join(parts), update.finish_reason)
-        return JSONResponse(self._envelope(self.object, [choice],
-                                           usage(update.num_prompt_tokens, update.num_output_tokens)))
+        make_choice = chat_choice if self.chat else completion_choice
+        choices = [make_choice("".join(parts[i]), last[i].finish_reason, i) for i in sorted(last)]
+        return JSONResponse(self._envelope(self.object, choices, self._usage(last)))
 
 
 def sse(data: dict) -> str:

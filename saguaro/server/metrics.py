@@ -48,6 +48,14 @@ def render(stats: SchedulerStats, errors: dict[int, int], max_batch_size: int, m
                 [("", engine["draft_losses"])])
         _metric(lines, "draft_worker_restarts_total", "counter", "SSD draft workers that took over after a loss.",
                 [("", engine["draft_restarts"])])
+    if engine and "prefix_cache_queries" in engine:
+        _metric(lines, "prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+                [("", engine["prefix_cache_query_tokens"])])
+        _metric(lines, "prefix_cache_hits_total", "counter",
+                "Prompt tokens whose KV entries the prefix cache served (not computed).",
+                [("", engine["prefix_cache_hit_tokens"])])
+        _metric(lines, "prefix_cache_bytes", "gauge", "Bytes of KV entries the prefix cache holds.",
+                [("", engine["prefix_cache_bytes"])])
     if engine and "auto_rounds_by_k" in engine:
         _metric(lines, "auto_rounds_total", "counter",
                 "method=auto: rounds by the choice: the draft tokens (0: none) or ssd.",

@@ -2,7 +2,7 @@
 
 Request models are strict, so a wrong type is an error rather than a silent coercion; fields
 saguaro does not know are ignored, as OpenAI's own clients send optional extras. Parameters
-it knows but cannot honour (n > 1, logprobs, penalties, tools) are refused by name.
+it knows but cannot honour (logprobs, penalties, tools) are refused by name.
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension (vLLM's)
     user: str | None = None
+    n: int = Field(1, ge=1, le=128)  # samples of the prompt, each a choice
     # known but unsupported: refused unless left at their defaults
-    n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -67,8 +67,6 @@ class SamplingRequest(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "only n = 1 is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported", param=name)
@@ -87,7 +85,7 @@ class SamplingRequest(BaseModel):
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
                               max_tokens=max_tokens, stop=[self.stop] if isinstance(self.stop, str) else
-                              list(self.stop or []), ignore_eos=self.ignore_eos)
+                              list(self.stop or []), ignore_eos=self.ignore_eos, n=self.n)
 
 
 class CompletionRequest(SamplingRequest):
@@ -166,22 +164,24 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """cached_tokens: prompt tokens the prefix cache served, reported as OpenAI reports its own."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_choice(text: str, finish_reason: str | None) -> dict:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(text: str, finish_reason: str | None, index: int = 0) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
-def chat_choice(text: str, finish_reason: str | None) -> dict:
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def chat_choice(text: str, finish_reason: str | None, index: int = 0) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
             "finish_reason": finish_reason}
 
 
-def chat_delta(delta: dict, finish_reason: str | None) -> dict:
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_delta(delta: dict, finish_reason: str | None, index: int = 0) -> dict:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
 
 def envelope(id: str, object: str, model: str, choices: list[dict], usage: dict | None = None,

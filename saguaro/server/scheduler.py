@@ -40,6 +40,7 @@ class Update:
     num_output_tokens: int
     finish_reason: str | None = None
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV entries came from the prefix cache
 
     @property
     def done(self) -> bool:
@@ -221,7 +222,8 @@ class Scheduler:
         by_seq = {r.seq.seq_id: r for r in self._running.values()}
         running = [by_seq[u.seq.seq_id] for u in result.updates]
         updates = [(by_seq[u.seq.seq_id].request, Update(u.new_text, len(u.seq.prompt_ids), len(u.seq.output_ids),
-                                                         u.seq.finish_reason))
+                                                         u.seq.finish_reason,
+                                                         num_cached_tokens=u.seq.stats.cached_tokens))
                    for u in result.updates if u.new_text or u.seq.finished]
         self._record(running)
         finished = [r for r in running if r.seq.finished]

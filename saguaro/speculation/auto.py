@@ -45,6 +45,7 @@ import torch
 from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.sequence import Sequence
 from saguaro.models.llama import LlamaModel
+from saguaro.models.prefix_cache import PrefixCache
 from saguaro.speculation.client import use_cores, usable_cores
 from saguaro.speculation.drafters import Drafter
 from saguaro.speculation.sd import SDDecoder
@@ -266,8 +267,8 @@ class AutoDecoder(SDDecoder):
     target KV cache, on the cores `cores.ssd`."""
 
     def __init__(self, target: LlamaModel, drafter: Drafter, ssd: Future[SSDDecoder] | None = None,
-                 cores: CoreShare | None = None):
-        super().__init__(target, drafter)
+                 cores: CoreShare | None = None, prefix_cache: PrefixCache | None = None):
+        super().__init__(target, drafter, prefix_cache)
         self.controller = Controller(drafter.k)
         self.ssd_starting, self.ssd, self.cores = ssd, None, cores
         self.on_ssd_cores = False
@@ -363,7 +364,8 @@ class AutoDecoder(SDDecoder):
             self.ssd.forget([s.seq_id for s in seqs if s.seq_id in self.ssd.outcomes])
 
     def metrics(self) -> dict:
-        return {**self.controller.summary(), **(self.ssd.metrics() if self.ssd is not None else {})}
+        return {**(self.ssd.metrics() if self.ssd is not None else {}), **super().metrics(),
+                **self.controller.summary()}
 
     def close(self) -> None:
         """Stops the SSD worker (or its start) and gives the target all the cores back."""

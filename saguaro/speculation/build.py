@@ -11,6 +11,7 @@ from saguaro.engine.decoders import ARDecoder, Decoder
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
 from saguaro.models.loader import IncompatibleDraftError, load_draft
+from saguaro.models.prefix_cache import new_prefix_cache
 from saguaro.speculation.auto import AutoDecoder, CoreShare
 from saguaro.speculation.client import DraftClient, WorkerConfig, split_cores, usable_cores, use_cores
 from saguaro.speculation.drafters import Drafter, PromptLookupDrafter, model_drafter
@@ -28,9 +29,9 @@ def draft_path(spec: SpeculativeConfig, model: str) -> Path | None:
     return path
 
 
-def sd_drafter(draft: LlamaModel, spec: SpeculativeConfig) -> Drafter:
+def sd_drafter(draft: LlamaModel, spec: SpeculativeConfig, prefix_cache_mb: float = 0.0) -> Drafter:
     """The draft model's drafter, behind prompt lookup when it is on."""
-    drafter = model_drafter(draft, spec.num_speculative_tokens)
+    drafter = model_drafter(draft, spec.num_speculative_tokens, prefix_cache=new_prefix_cache(prefix_cache_mb))
     return PromptLookupDrafter(drafter.k, spec.prompt_lookup, drafter) if spec.prompt_lookup else drafter
 
 
@@ -45,20 +46,24 @@ def fan_out_plan(spec: SpeculativeConfig) -> tuple[list[int], GeometricPlan | No
     return list(spec.fan_out), None
 
 
-def ssd_decoder(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: str | None) -> SSDDecoder:
-    """SSD with a new draft worker (pinned to `cpus` on this machine)."""
+def ssd_decoder(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: str | None,
+                prefix_cache_mb: float = 0.0) -> SSDDecoder:
+    """SSD with a new draft worker (pinned to `cpus` on this machine); prefix_cache_mb: the
+    budget of the target's prefix cache, and of the draft's."""
     fan_out, plan = fan_out_plan(spec)
     config = WorkerConfig(replace(spec, draft=str(path), fan_out=fan_out), str(target.dtype).removeprefix("torch."),
-                          cpus)
+                          cpus, prefix_cache_mb)
     client = DraftClient(config, target.embed_tokens.weight.detach().cpu(), str(target.device))
     if client.ready.vocab_size != target.config.vocab_size:
         client.close()
         raise IncompatibleDraftError(f"the draft's vocabulary ({client.ready.vocab_size} tokens) does not "
                                      f"match the target's ({target.config.vocab_size})")
-    return SSDDecoder(target, client, spec.backup, plan)
+    prefix_cache = None if client.ready.reads_features else new_prefix_cache(prefix_cache_mb)
+    return SSDDecoder(target, client, spec.backup, plan, prefix_cache)
 
 
-def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path) -> tuple[Future[SSDDecoder], CoreShare] | None:
+def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
+             prefix_cache_mb: float = 0.0) -> tuple[Future[SSDDecoder], CoreShare] | None:
     """SSD for method="auto", its worker starting on a thread of its own while auto decodes
     without it: on the draft's own device or host, or on this machine's last core where it has
     two or more (None where SSD has no hardware of its own)."""
@@ -71,7 +76,7 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path) -> tuple[F
 
     def start() -> None:
         try:
-            decoder = ssd_decoder(target, spec, path, cpus)
+            decoder = ssd_decoder(target, spec, path, cpus, prefix_cache_mb)
         except Exception as e:
             if not future.cancelled():
                 future.set_exception(e)
@@ -85,22 +90,23 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path) -> tuple[F
     return future, CoreShare.of(cpus)
 
 
-def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str) -> Decoder:
-    """model: the target's name or path, which picks its shipped draft."""
-    if spec.method == "ar":
-        return ARDecoder(target)
-    path = draft_path(spec, model)
+def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix_cache_mb: float = 0.0) -> Decoder:
+    """model: the target's name or path, which picks its shipped draft. prefix_cache_mb: the
+    budget of the target's prefix cache and of the draft's (0: no prefix caching). A draft
+    that reads the target's hidden states needs them over whole prompts: neither gets one."""
+    path = None if spec.method == "ar" else draft_path(spec, model)
     if path is None:
-        return ARDecoder(target)
-    if spec.method == "sd":
-        return SDDecoder(target, sd_drafter(load_draft(path, target), spec))
-    if spec.method == "auto":
-        drafter = sd_drafter(load_draft(path, target), spec)
-        ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path)
-        return AutoDecoder(target, drafter, *(ssd or ()))
+        return ARDecoder(target, new_prefix_cache(prefix_cache_mb))
+    if spec.method in ("sd", "auto"):
+        drafter = sd_drafter(load_draft(path, target), spec, prefix_cache_mb)
+        prefix_cache = None if drafter.reads_target_features else new_prefix_cache(prefix_cache_mb)
+        if spec.method == "sd":
+            return SDDecoder(target, drafter, prefix_cache)
+        ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path, prefix_cache_mb)
+        return AutoDecoder(target, drafter, *(ssd or (None, None)), prefix_cache=prefix_cache)
     cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device)
     try:
-        decoder = ssd_decoder(target, spec, path, cpus)
+        decoder = ssd_decoder(target, spec, path, cpus, prefix_cache_mb)
     except BaseException:
         if cores_before is not None:
             use_cores(*cores_before)

@@ -14,11 +14,12 @@ from typing import Protocol
 
 import torch
 
-from saguaro.engine.runner import forward_chunks, last_hidden
+from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
 from saguaro.engine.verify import point_masses
 from saguaro.models.kv_cache import CacheRows, KVCache, ensure_cache
 from saguaro.models.llama import LlamaModel
+from saguaro.models.prefix_cache import PrefixCache
 from saguaro.speculation.lookup import lookups, ngram_guess
 
 # reshape(i, probs, logits) -> the distribution draft token i is really sampled from
@@ -140,12 +141,15 @@ class DraftModelDrafter(Drafter):
 
     The cache holds the KV entries of a sequence's first `cached_len` committed tokens; a
     draft round first runs what it has not seen (the last committed tokens), then K tokens.
-    reshape: see autoregressive_draft (the SSD worker's Saguaro sampling)."""
+    reshape: see autoregressive_draft (the SSD worker's Saguaro sampling). prefix_cache: the
+    draft's own, for prompts that start like earlier ones."""
 
-    def __init__(self, model: LlamaModel, k: int, reshape: Reshape | None = None):
+    def __init__(self, model: LlamaModel, k: int, reshape: Reshape | None = None,
+                 prefix_cache: PrefixCache | None = None):
         super().__init__(k)
         self.model = model
         self.reshape = reshape
+        self.prefix_cache = prefix_cache
         self.kv_cache: KVCache | None = None
         self.rows = CacheRows()
         self.cached_len: dict[int, int] = {}  # seq_id -> committed tokens whose KV entries are cached
@@ -162,7 +166,7 @@ class DraftModelDrafter(Drafter):
         """Runs each prompt (all committed tokens but the last, the next round's input)."""
         rows = self.rows.assign([s.seq_id for s in seqs], self.kv_cache.num_rows)
         chunks = [s.token_ids[:-1] for s in seqs]
-        forward_chunks(self.model, self.kv_cache, rows, chunks, [0] * len(seqs),
+        prefill_chunks(self.model, self.kv_cache, rows, chunks, self.prefix_cache,
                        self.features_for(seqs, [0] * len(seqs), [len(c) for c in chunks]))
         for seq, chunk in zip(seqs, chunks):
             self.cached_len[seq.seq_id] = len(chunk)
@@ -202,7 +206,8 @@ class DraftModelDrafter(Drafter):
 class EagleDrafter(DraftModelDrafter):
     """An EAGLE-style draft (saguaro.models.eagle): reads the target's hidden state before each
     token. Its drafted tokens' KV entries came from its own guessed features, so they are run
-    again with the target's once verified."""
+    again with the target's once verified. Its prompts run whole (no prefix cache): their KV
+    entries come with the target's hidden states."""
     reads_target_features = True
 
     def __init__(self, model: LlamaModel, k: int, reshape: Reshape | None = None):
@@ -225,9 +230,12 @@ class EagleDrafter(DraftModelDrafter):
         return [self.features.inputs(s.seq_id, a, b) for s, a, b in zip(seqs, starts, ends)]
 
 
-def model_drafter(model: LlamaModel, k: int, reshape: Reshape | None = None) -> DraftModelDrafter:
-    """The drafter for a loaded draft model."""
-    return (EagleDrafter if model.reads_features else DraftModelDrafter)(model, k, reshape)
+def model_drafter(model: LlamaModel, k: int, reshape: Reshape | None = None,
+                  prefix_cache: PrefixCache | None = None) -> DraftModelDrafter:
+    """The drafter for a loaded draft model (an EAGLE draft's without the prefix cache)."""
+    if model.reads_features:
+        return EagleDrafter(model, k, reshape)
+    return DraftModelDrafter(model, k, reshape, prefix_cache)
 
 
 class NGramDrafter(Drafter):

@@ -32,6 +32,7 @@ class Hello:
     dtype: str
     embeddings: torch.Tensor | None  # the target's table, for drafts that borrow it
     incarnation: int = 0  # workers started before this one for the same engine (restarts)
+    prefix_cache_mb: float = 0.0  # the draft's prefix cache (0: none)
 
 
 @dataclass

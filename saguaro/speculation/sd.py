@@ -7,12 +7,13 @@ import torch
 from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.sequence import Sequence
 from saguaro.models.llama import LlamaModel
+from saguaro.models.prefix_cache import PrefixCache
 from saguaro.speculation.drafters import Drafter, Proposal
 
 
 class SDDecoder(ARDecoder):
-    def __init__(self, target: LlamaModel, drafter: Drafter):
-        super().__init__(target)
+    def __init__(self, target: LlamaModel, drafter: Drafter, prefix_cache: PrefixCache | None = None):
+        super().__init__(target, prefix_cache)
         self.drafter = drafter
         self.num_speculative_tokens = drafter.k
 

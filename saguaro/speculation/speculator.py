@@ -17,6 +17,7 @@ import torch
 from saguaro.engine.runner import forward_chunks, last_hidden
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
 from saguaro.models.llama import LlamaModel
+from saguaro.models.prefix_cache import PrefixCache
 from saguaro.speculation.cache import Outcome, SpeculationCache
 from saguaro.speculation.drafters import NGramDrafter, PromptLookupDrafter, model_drafter
 
@@ -52,9 +53,9 @@ class Speculator:
     speculation."""
 
     def __init__(self, draft: LlamaModel, k: int, fan_out: list[int], saguaro_c: float = 1.0,
-                 prompt_lookup: int | None = None, incarnation: int = 0):
+                 prompt_lookup: int | None = None, incarnation: int = 0, prefix_cache: PrefixCache | None = None):
         self.k, self.saguaro_c = k, saguaro_c
-        self.drafter = model_drafter(draft, k, reshape=self._sigma)
+        self.drafter = model_drafter(draft, k, reshape=self._sigma, prefix_cache=prefix_cache)
         self.lookup = PromptLookupDrafter(k, prompt_lookup, self.drafter) if prompt_lookup else None
         self.fast_backup = NGramDrafter(k)
         self.cache = SpeculationCache()

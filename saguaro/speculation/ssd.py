@@ -22,6 +22,7 @@ from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.verify import point_masses
 from saguaro.models.llama import LlamaModel, scatter_to_vocab
+from saguaro.models.prefix_cache import PrefixCache
 from saguaro.speculation.client import DraftClient, replace_worker, use_cores
 from saguaro.speculation.drafters import FeatureLog
 from saguaro.speculation.planning import GeometricPlan, SpeedModel
@@ -73,8 +74,8 @@ class SSDDecoder(ARDecoder):
     """The target side of SSD: one SpecRequest and one verification per round (see above)."""
 
     def __init__(self, target: LlamaModel, client: DraftClient, backup: str = "auto",
-                 plan: GeometricPlan | None = None):
-        super().__init__(target)
+                 plan: GeometricPlan | None = None, prefix_cache: PrefixCache | None = None):
+        super().__init__(target, prefix_cache)
         if backup not in BACKUPS:
             raise ValueError(f"backup must be one of {', '.join(BACKUPS)}")
         self.client, self.backup = client, backup
@@ -109,7 +110,7 @@ class SSDDecoder(ARDecoder):
             self.features.add(seq.seq_id, hidden)
 
     def metrics(self) -> dict:
-        return self.stats.summary()
+        return {**self.stats.summary(), **super().metrics()}
 
     def prefill(self, seqs: list[Sequence]) -> None:
         super().prefill(seqs)

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from saguaro.models.prefix_cache import new_prefix_cache
 from saguaro.models.loader import is_saguaro_checkpoint, load_checkpoint, load_model, resolve_dtype
 from saguaro.speculation.client import use_cores
 from saguaro.speculation.protocol import (Channel, Hello, Prefill, Ready, Release, Shutdown, Speculation,
@@ -32,7 +33,7 @@ class DraftServer:
         draft = load_draft_model(hello, device)
         spec = hello.speculative
         self.speculator = Speculator(draft, spec.num_speculative_tokens, spec.fan_out, spec.saguaro_c,
-                                     spec.prompt_lookup, hello.incarnation)
+                                     spec.prompt_lookup, hello.incarnation, new_prefix_cache(hello.prefix_cache_mb))
         head = draft.head_token_ids.tolist() if draft.config.head_vocab_size is not None else None
         self.ready = Ready(vocab_size=draft.config.vocab_size, num_layers=draft.config.num_layers, pid=os.getpid(),
                            head_token_ids=head, reads_features=draft.reads_features)
