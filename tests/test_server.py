@@ -176,6 +176,29 @@ def test_models_health_and_metrics(client, ar_server, http):
         assert f"# TYPE saguaro_{name} " in text
 
 
+def test_n_samples_are_choices_each_reproducible_from_its_own_seed(client, ar_server):
+    """n = 3 at T = 0.8: choice j is what an n = 1 request with sample j's seed gives, on both
+    endpoints, whole and streamed; usage counts the prompt once and every sample's tokens."""
+    seeds = [p.seed for p in SamplingParams(n=3, seed=SAMPLED["seed"]).samples()]
+    hits_before = metric(ar_server.url, "prefix_cache_hits_total")
+    for chat in (False, True):
+        create = client.chat.completions.create if chat else client.completions.create
+        request = dict(model=MODEL, max_tokens=10, temperature=0.8, top_p=0.9, extra_body={"ignore_eos": True},
+                       **({"messages": CHAT} if chat else {"prompt": PROMPTS[2] * 6}))
+        out = create(**request, n=3, seed=SAMPLED["seed"])
+        texts = [c.message.content if chat else c.text for c in out.choices]
+        assert [c.index for c in out.choices] == [0, 1, 2] and len(set(texts)) > 1
+        assert out.usage.completion_tokens == 30 and out.usage.total_tokens == out.usage.prompt_tokens + 30
+        singles = [create(**request, n=1, seed=seed) for seed in seeds]
+        assert texts == [(o.choices[0].message.content if chat else o.choices[0].text) for o in singles]
+        assert all(o.usage.prompt_tokens_details.cached_tokens > 0 for o in singles)  # the prompt was cached
+        chunks = list(create(**request, n=3, seed=SAMPLED["seed"], stream=True, stream_options={"include_usage": True}))
+        streamed = ["".join((c.choices[0].delta.content or "") if chat else c.choices[0].text
+                            for c in chunks if c.choices and c.choices[0].index == j) for j in range(3)]
+        assert streamed == texts and chunks[-1].usage.completion_tokens == 30
+    assert metric(ar_server.url, "prefix_cache_hits_total") > hits_before
+
+
 # --- continuous batching -------------------------------------------------------------------------
 
 def test_32_concurrent_streams_match_offline_generation(ar_server, offline):
@@ -225,7 +248,8 @@ BAD = {  # name: (path, JSON body or raw bytes, headers, status)
     "prompt longer than the context": ("/v1/completions", {**GOOD, "prompt": "word " * 400}, {}, 400),
     "token ids outside the vocabulary": ("/v1/completions", {**GOOD, "prompt": [1, 10 ** 9]}, {}, 400),
     "several prompts": ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, {}, 400),
-    "n > 1": ("/v1/completions", {**GOOD, "n": 2}, {}, 400),
+    "n = 0": ("/v1/completions", {**GOOD, "n": 0}, {}, 400),
+    "n over 128": ("/v1/chat/completions", {**CHAT_GOOD, "n": 129}, {}, 400),
     "completion logprobs": ("/v1/completions", {**GOOD, "logprobs": 1}, {}, 400),
     "chat logprobs": ("/v1/chat/completions", {**CHAT_GOOD, "logprobs": True}, {}, 400),
     "penalties": ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, {}, 400),

@@ -175,7 +175,9 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
     torch.manual_seed(config.seed)
     method = "ssd" if "ssd" in config.methods else "ar"  # the LLM's own decoder: SSD's owns the worker
     everything = usable_cores(), config.threads or torch.get_num_threads()
-    llm = LLM(config.model, replace(config.speculative, method=method), dtype=config.dtype, quantization=config.quantization)
+    # no prefix caching: every method prefills every prompt, however often the bench repeats it
+    llm = LLM(config.model, replace(config.speculative, method=method), dtype=config.dtype,
+              quantization=config.quantization, enable_prefix_caching=False)
     cores = {"all": everything, "ssd": (usable_cores(), torch.get_num_threads())}  # SSD's split, if any
     llm_engine = llm.engine  # SSD's own: it owns the worker, which close() stops
     ssd_decoder = llm.decoder if method == "ssd" else None
@@ -239,7 +241,7 @@ def fan_out_sweep(config: BenchConfig, prompts: list[list[int]], bar: tqdm | Non
 
     fan_outs, k = config.fan_out_sweep, config.speculative.num_speculative_tokens
     llm = LLM(config.model, replace(config.speculative, method="ssd", fan_out=[max(fan_outs)] * (k + 1)),
-              dtype=config.dtype, quantization=config.quantization)
+              dtype=config.dtype, quantization=config.quantization, enable_prefix_caching=False)
     points = []
     try:
         for f in fan_outs:
