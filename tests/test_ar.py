@@ -7,6 +7,8 @@ import torch
 
 from conftest import NEW_TOKENS
 
+HF_PROMPTS = 12  # of the 20 (6 code, 6 chat): transformers decodes one prompt at a time, ~3 s each
+
 
 def hf_greedy(model, prompt: list[int], eos_token_ids: list[int]) -> list[int]:
     ids = torch.tensor([prompt])
@@ -29,7 +31,7 @@ def test_prompts_are_real_and_varied(prompts):
 
 def test_ar_greedy_matches_transformers(llm, hf_model, prompts, ar_greedy):
     mismatches = {}
-    for i, (prompt, ours) in enumerate(zip(prompts, ar_greedy)):
+    for i, (prompt, ours) in enumerate(zip(prompts[:HF_PROMPTS], ar_greedy)):
         theirs = hf_greedy(hf_model, prompt, llm.eos_token_ids)
         if ours != theirs:
             mismatches[i] = first_difference(ours, theirs)

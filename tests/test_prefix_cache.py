@@ -16,7 +16,7 @@ from saguaro.models.config import ModelConfig
 from saguaro.models.kv_cache import new_cache
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import BLOCK_SIZE, PrefixCache
-from tests.stats import ks_pvalue, teacher_forced_pit
+from stats import ks_pvalue, teacher_forced_pit
 
 VOCAB = 64
 
@@ -147,8 +147,8 @@ def test_control_corrupted_cached_entries_change_the_output(bf16, uncached):
 
 
 @pytest.mark.parametrize("method", ["ar", "sd"])
-def test_greedy_samples_of_one_prompt_all_equal_the_single_greedy_output(method, uncached):
-    llm = LLM("smollm2", method=method)
+def test_greedy_samples_of_one_prompt_all_equal_the_single_greedy_output(method, bf16, uncached):
+    llm = bf16 if method == "ar" else LLM("smollm2", method=method)
     out = llm.generate(chats()[2], SamplingParams(temperature=0, max_tokens=24, n=4), use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == [uncached[2]] * 4
     assert [c.index for c in out.outputs] == [0, 1, 2, 3] and out.token_ids == out.outputs[0].token_ids
