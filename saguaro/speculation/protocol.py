@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,13 @@ class Ready:
 
 # --- channel ---------------------------------------------------------------------------------
 
+def route_address(host: str, port: int) -> str:
+    """This machine's address on the route to host: the one the peer there can reach."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
+
+
 class Channel:
     """Sends and receives pickled messages between rank 0 and rank 1."""
 
@@ -101,6 +109,7 @@ class Channel:
         """Rank 0 serves the rendezvous store (port 0 picks a free one: see `port`); `connect`
         then blocks until the peer has joined."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.host = host
         self.store = dist.TCPStore(host, port, 2, rank == 0, timeout=self.timeout, wait_for_workers=False)
         self.rank, self.peer = rank, 1 - rank
         self.device = torch.device(device)
@@ -114,7 +123,12 @@ class Channel:
         if self.device.type == "cuda":
             self.group = dist.ProcessGroupNCCL(self.store, self.rank, 2)
         else:
-            self.group = dist.ProcessGroupGloo(self.store, self.rank, 2, self.timeout)
+            # gloo's default address is this host's name resolved, 127.0.x.1 on many machines:
+            # unreachable from another host. Use the address on the route to the rendezvous.
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = self.timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=route_address(self.host, self.port))]
+            self.group = dist.ProcessGroupGloo(self.store, self.rank, 2, options)
         return self
 
     def send(self, message, timeout_s: float | None = None) -> None:
