@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import NEW_TOKENS
+import netns
 from drafts import InProcessDraft, worker_config
 from saguaro import SamplingParams
 from saguaro.engine import decoders
@@ -428,6 +429,37 @@ def test_a_worker_started_elsewhere_attaches_by_address(tiny_target, tiny_draft_
     finally:
         if worker.poll() is None:
             worker.kill()
+
+
+@pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+def test_a_draft_on_another_host_attaches_over_the_network(tmp_path_factory, tiny_draft_dir):
+    """The engine in one network namespace, the worker in another, joined by a veth pair: SSD
+    greedy equals AR, and the messages crossed the veth."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target_dir = saved_draft(tmp_path_factory, "tiny-target", tiny_model(seed=10, layers=2))
+    prompts = [PROMPT + [i % TINY_V] for i in range(4)]
+    with netns.two_hosts() as hosts:
+        address = f"{hosts.target_ip}:29511"
+        worker = subprocess.Popen(hosts.command(hosts.draft_ns, [sys.executable, "-m", "saguaro.speculation.worker",
+                                                                  "--connect", address, "--timeout", "60"]))
+        try:
+            engine = subprocess.run(hosts.command(hosts.target_ns, [
+                sys.executable, str(Path(__file__).parent / "remote_engine.py"), str(target_dir), str(tiny_draft_dir),
+                address, json.dumps(prompts)]), capture_output=True, text=True, timeout=180)
+            assert engine.returncode == 0, engine.stderr[-3000:]
+            report = json.loads(engine.stdout.splitlines()[-1])
+            assert worker.wait(timeout=30) == 0 and report["worker_pid"] == worker.pid
+            veth_bytes = hosts.target_veth_bytes()
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+    assert report["ssd"] == report["ar"]
+    assert report["rounds"] > 0 and report["bytes_sent"] > 0 and report["bytes_received"] > 0
+    assert veth_bytes > report["bytes_sent"] + report["bytes_received"]
 
 
 def test_a_worker_attached_by_address_is_awaited_again_after_a_loss(tiny_target, tiny_draft_dir):

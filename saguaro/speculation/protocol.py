@@ -114,6 +114,7 @@ class Channel:
         self.rank, self.peer = rank, 1 - rank
         self.device = torch.device(device)
         self.group = None
+        self.bytes_sent = self.bytes_received = 0  # pickled messages, what crosses the wire
 
     @property
     def port(self) -> int:
@@ -142,6 +143,7 @@ class Channel:
             self._wait(self.group.send([payload.to(self.device)], self.peer, 1), timeout)
         except RuntimeError as e:
             raise DraftUnavailable(str(e)) from e
+        self.bytes_sent += payload.numel()
 
     def recv(self, timeout_s: float | None = None):
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
@@ -152,6 +154,7 @@ class Channel:
             self._wait(self.group.recv([payload], self.peer, 1), timeout)
         except RuntimeError as e:
             raise DraftUnavailable(str(e)) from e
+        self.bytes_received += payload.numel()
         return pickle.loads(payload.cpu().numpy().tobytes())
 
     def close(self) -> None:

@@ -1,0 +1,51 @@
+"""An SSD engine whose draft worker attaches from another host: `python tests/remote_engine.py
+TARGET_DIR DRAFT_DIR HOST:PORT PROMPTS_JSON` decodes each prompt greedily with SSD (the worker
+awaited at HOST:PORT) and with AR, as one batch each, and prints both with the wire's figures as
+JSON. tests/test_ssd.py runs it in one network namespace, the worker in another."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+
+from saguaro.config import SpeculativeConfig
+from saguaro.engine.decoders import ARDecoder
+from saguaro.engine.sampler import SamplingParams
+from saguaro.engine.sequence import Sequence
+from saguaro.models.loader import load_checkpoint
+from saguaro.speculation.client import DraftClient, WorkerConfig
+from saguaro.speculation.ssd import SSDDecoder
+
+NEW_TOKENS = 8
+
+
+def greedy(decoder, prompts: list[list[int]]) -> list[list[int]]:
+    seqs = [Sequence(i, p, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), []) for i, p in enumerate(prompts)]
+    decoder.reserve(len(seqs), max(map(len, prompts)) + NEW_TOKENS + decoder.lookahead)
+    decoder.prefill(seqs)
+    while active := [s for s in seqs if not s.finished]:
+        decoder.step(active)
+    return [s.output_ids for s in seqs]
+
+
+def main(target_dir: str, draft_dir: str, address: str, prompts_json: str) -> None:
+    torch.set_num_threads(1)
+    target = load_checkpoint(target_dir, torch.float32)
+    prompts = json.loads(prompts_json)
+    spec = SpeculativeConfig("ssd", draft_dir, 2, fan_out=[1, 1, 1], draft_address=address)
+    ssd = SSDDecoder(target, DraftClient(WorkerConfig(spec, "float32", timeout_s=60, startup_timeout_s=60), None), backup="neural")
+    try:
+        got = greedy(ssd, prompts)
+        channel = ssd.client.channel
+        report = {"ssd": got, "ar": greedy(ARDecoder(target), prompts), "rounds": len(ssd.stats.verify_s),
+                  "bytes_sent": channel.bytes_sent, "bytes_received": channel.bytes_received,
+                  "wait_s_median": statistics.median(ssd.stats.wait_s), "worker_pid": ssd.client.ready.pid}
+    finally:
+        ssd.close()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
