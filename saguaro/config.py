@@ -31,6 +31,9 @@ class SpeculativeConfig:
                                                     "bonus tokens per accepted length", group="ssd")
     fan_out_budget: int = _option(16, "cached branches per request", group="ssd")
     saguaro_c: float = _option(1.0, "Saguaro sampling constant C (1 = off)", group="ssd")
+    proposal_top: int = _option(64, "at temperature > 0 the worker drafts from its N most likely tokens "
+                                    "(renormalized), so N (token, probability) pairs per draft token cross the "
+                                    "wire instead of the whole head; 0 keeps every token", group="ssd", metavar="N")
     backup: str = _option("auto", "speculation on a cache miss: neural (draft now), fast (n-gram), or auto "
                                   "(by batch size)", group="ssd", choices=BACKUPS)
     draft_device: str = _option("cpu", "the draft worker's device", group="ssd")
@@ -48,6 +51,8 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be >= 1")
         if self.backup not in BACKUPS:
             raise ValueError(f"backup must be one of {', '.join(BACKUPS)}")
+        if self.proposal_top < 0:
+            raise ValueError("proposal_top must be >= 0")
         if self.fan_out_budget < 0:
             raise ValueError("fan_out_budget must be >= 0")
         if isinstance(self.fan_out, str) and self.fan_out not in FAN_OUTS:

@@ -30,6 +30,7 @@ from saguaro.models.loader import save_checkpoint
 from saguaro.speculation import speculator
 from saguaro.speculation.client import DraftClient
 from saguaro.speculation.speculator import saguaro_sigma
+from saguaro.speculation.protocol import SparseProbs
 from saguaro.speculation.ssd import SSDDecoder, SSDStats
 from stats import MisreportedProposal, ks_pvalue, sharpen, teacher_forced_pit
 from test_exactness import ALPHA, PROMPT, REDUCED_HEAD, TINY_V, residual_is_p, tiny_model
@@ -89,11 +90,11 @@ def decode_all(decoder, seqs: list[Sequence]) -> None:
         decoder.release([s for s in active if s.finished])
 
 
-def ssd_pvalue(target, draft_dir, temperature: float, path: str) -> tuple[float, SSDDecoder]:
+def ssd_pvalue(target, draft_dir, temperature: float, path: str, proposal_top: int = 64) -> tuple[float, SSDDecoder]:
     """The KS p-value of ROWS continuations decoded in-process along `path` (tests/stats.py)."""
     fan_out, backup, c, prompt_lookup = PATHS[path]
-    client = InProcessDraft(worker_config(str(draft_dir), "float32", SSD_K, fan_out, c, prompt_lookup=prompt_lookup),
-                            None)
+    client = InProcessDraft(worker_config(str(draft_dir), "float32", SSD_K, fan_out, c, prompt_lookup=prompt_lookup,
+                                          proposal_top=proposal_top), None)
     decoder = SSDDecoder(target, client, backup)
     params = [SamplingParams(temperature=temperature, max_tokens=NEW, seed=i) for i in range(ROWS)]
     seqs = [Sequence(i, PROMPT, p, []) for i, p in enumerate(params)]
@@ -152,6 +153,27 @@ def test_ssd_is_exact_with_a_reduced_draft_head(tiny_target, reduced_draft_dir, 
     assert pvalue > ALPHA
     ran = decoder.stats.hit_lengths if path.startswith("hit") else decoder.stats.miss_lengths["neural"]
     assert len(ran) > ROWS // 10
+
+
+@pytest.mark.parametrize("path", ["hit-c0.5", "miss-neural"])
+def test_ssd_is_exact_when_the_worker_drafts_from_its_top_tokens(tiny_target, tiny_draft_dir, path, monkeypatch):
+    """proposal_top = 2 of 8 tokens: the worker drafts from its 2 most likely tokens and sends
+    them as (token, probability) pairs; the target rebuilds the proposal it was drawn from."""
+    sent = []
+    monkeypatch.setattr(SparseProbs, "dense", lambda self, dense=SparseProbs.dense: sent.append(self) or dense(self))
+    pvalue, decoder = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, path, proposal_top=2)
+    assert pvalue > ALPHA
+    assert sent and all(s.indices.shape[-1] == 2 for s in sent)
+
+
+def test_ssd_check_catches_top_tokens_kept_without_renormalizing(tiny_target, tiny_draft_dir, monkeypatch):
+    def unnormalized(probs, top):  # sampling normalizes by itself; the reported proposal is off
+        values, indices = probs.topk(top, dim=-1)
+        return torch.zeros_like(probs).scatter_(-1, indices, values)
+
+    monkeypatch.setattr(speculator, "keep_top", unnormalized)
+    pvalue, _ = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "hit-c1", proposal_top=2)
+    assert pvalue < ALPHA
 
 
 def test_ssd_check_catches_draft_distributions_placed_on_the_wrong_tokens(tiny_target, reduced_draft_dir,

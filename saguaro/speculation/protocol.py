@@ -61,13 +61,35 @@ class SpecRequest:
 
 
 @dataclass
+class SparseProbs:
+    """Distributions with at most `top` nonzero entries per row, as those entries: what a
+    proposal drafted from its top tokens (speculator.keep_top) costs on the wire."""
+    indices: torch.Tensor  # [K, top] int32
+    values: torch.Tensor  # [K, top]
+    width: int  # the dense rows' length
+
+    @classmethod
+    def of(cls, dense: torch.Tensor, top: int) -> SparseProbs:
+        values, indices = dense.topk(min(top, dense.shape[-1]), dim=-1)  # every nonzero entry
+        return cls(indices.to(torch.int32), values, dense.shape[-1])
+
+    def dense(self) -> torch.Tensor:
+        rows = torch.zeros(*self.indices.shape[:-1], self.width, dtype=self.values.dtype)
+        return rows.scatter_(-1, self.indices.long(), self.values)
+
+
+def dense_probs(probs: torch.Tensor | SparseProbs | None) -> torch.Tensor | None:
+    return probs.dense() if isinstance(probs, SparseProbs) else probs
+
+
+@dataclass
 class Speculation:
     """Worker -> target: K tokens per request, whether they came from the cache, and the
-    distributions they were drawn from over the draft's head rows ([K, head rows]; None at
-    temperature 0: point masses)."""
+    distributions they were drawn from over the draft's head rows ([K, head rows], sparse when
+    the worker drafts from its top tokens; None at temperature 0: point masses)."""
     tokens: list[list[int]]
     hits: list[bool]
-    probs: list[torch.Tensor | None]
+    probs: list[torch.Tensor | SparseProbs | None]
     fill_time_s: float  # time the worker spent filling the cache in the previous round
     backup_time_s: float  # time spent on misses in this reply
     lookups: list[bool] | None = None  # which speculations were copied from the text (prompt lookup)

@@ -48,13 +48,25 @@ def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, top: int, c: float)
     return torch.where(total > 0, scaled / total.clamp_min(1e-30), probs)
 
 
+def keep_top(probs: torch.Tensor, top: int) -> torch.Tensor:
+    """probs with each row's `top` most likely tokens kept and renormalized, the rest zero (0:
+    all kept). Drafting from this and reporting it keeps verification exact, and a proposal
+    then crosses the wire as `top` pairs per position (protocol.SparseProbs)."""
+    if top <= 0 or top >= probs.shape[-1]:
+        return probs
+    values, indices = probs.topk(top, dim=-1)
+    kept = torch.zeros_like(probs).scatter_(-1, indices, values)
+    return kept / kept.sum(-1, keepdim=True)
+
+
 class Speculator:
     """The draft model (through its drafter), the speculation cache and each request's pending
     speculation."""
 
     def __init__(self, draft: LlamaModel, k: int, fan_out: list[int], saguaro_c: float = 1.0,
-                 prompt_lookup: int | None = None, incarnation: int = 0, prefix_cache: PrefixCache | None = None):
-        self.k, self.saguaro_c = k, saguaro_c
+                 prompt_lookup: int | None = None, incarnation: int = 0, prefix_cache: PrefixCache | None = None,
+                 proposal_top: int = 0):
+        self.k, self.saguaro_c, self.proposal_top = k, saguaro_c, proposal_top
         self.drafter = model_drafter(draft, k, reshape=self._sigma, prefix_cache=prefix_cache)
         self.lookup = PromptLookupDrafter(k, prompt_lookup, self.drafter) if prompt_lookup else None
         self.fast_backup = NGramDrafter(k)
@@ -160,8 +172,9 @@ class Speculator:
 
     def _sigma(self, position: int, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Saguaro sampling for draft position `position` (0-based): a rejection there is the
-        outcome accepted_len = position, whose bonus candidates are the top fan_out[position]."""
-        return saguaro_sigma(probs, logits, self.fan_out[position], self.saguaro_c)
+        outcome accepted_len = position, whose bonus candidates are the top fan_out[position];
+        then only the proposal_top most likely tokens are kept."""
+        return keep_top(saguaro_sigma(probs, logits, self.fan_out[position], self.saguaro_c), self.proposal_top)
 
     def _warp_params(self, seqs: list[DraftSequence], repeat: int = 1) -> WarpParams:
         params = WarpParams.of([s.params for s in seqs], self.draft.device)

@@ -26,7 +26,7 @@ from saguaro.models.prefix_cache import PrefixCache
 from saguaro.speculation.client import DraftClient, replace_worker, use_cores
 from saguaro.speculation.drafters import FeatureLog
 from saguaro.speculation.planning import GeometricPlan, SpeedModel
-from saguaro.speculation.protocol import DraftUnavailable, SpecRequest
+from saguaro.speculation.protocol import DraftUnavailable, SpecRequest, dense_probs
 
 EXPLORE_MISSES = 8  # misses each backup is tried on before auto trusts the speed model
 
@@ -158,7 +158,8 @@ class SSDDecoder(ARDecoder):
         probs = None
         if any(p is not None for p in spec.probs):
             masses = point_masses(tokens, self.target.config.vocab_size)
-            probs = torch.stack([m if p is None else self._to_vocab(p) for m, p in zip(masses, spec.probs)])
+            probs = torch.stack([m if p is None else self._to_vocab(dense_probs(p))
+                                 for m, p in zip(masses, spec.probs)])
         new_outcomes = self.verify_and_commit(seqs, tokens, probs)
         verified = time.perf_counter()
         self._record(seqs, outcomes, spec, new_outcomes, backup, received - asked, verified - received)

@@ -14,8 +14,8 @@ import torch
 from saguaro.models.prefix_cache import new_prefix_cache
 from saguaro.models.loader import is_saguaro_checkpoint, load_checkpoint, load_model, resolve_dtype
 from saguaro.speculation.client import use_cores
-from saguaro.speculation.protocol import (Channel, Hello, Prefill, Ready, Release, Shutdown, Speculation,
-                                          SpecRequest)
+from saguaro.speculation.protocol import (Channel, Hello, Prefill, Ready, Release, Shutdown, SparseProbs,
+                                          Speculation, SpecRequest)
 from saguaro.speculation.speculator import Speculator
 
 
@@ -33,7 +33,8 @@ class DraftServer:
         draft = load_draft_model(hello, device)
         spec = hello.speculative
         self.speculator = Speculator(draft, spec.num_speculative_tokens, spec.fan_out, spec.saguaro_c,
-                                     spec.prompt_lookup, hello.incarnation, new_prefix_cache(hello.prefix_cache_mb))
+                                     spec.prompt_lookup, hello.incarnation, new_prefix_cache(hello.prefix_cache_mb),
+                                     spec.proposal_top)
         head = draft.head_token_ids.tolist() if draft.config.head_vocab_size is not None else None
         self.ready = Ready(vocab_size=draft.config.vocab_size, num_layers=draft.config.num_layers, pid=os.getpid(),
                            head_token_ids=head, reads_features=draft.reads_features)
@@ -53,6 +54,8 @@ class DraftServer:
             tokens, hits, probs, lookups = self.speculator.speculate(message.seq_ids, message.outcomes,
                                                                      message.backup, message.features)
             self.pending = message.seq_ids
+            if self.speculator.proposal_top:
+                probs = [None if p is None else SparseProbs.of(p, self.speculator.proposal_top) for p in probs]
             return Speculation(tokens, hits, probs, self.fill_time, time.perf_counter() - start, lookups)
         elif isinstance(message, Release):
             self.speculator.release(message.seq_ids)
