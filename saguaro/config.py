@@ -31,7 +31,7 @@ class SpeculativeConfig:
                                                     "bonus tokens per accepted length", group="ssd")
     fan_out_budget: int = _option(16, "cached branches per request", group="ssd")
     saguaro_c: float = _option(1.0, "Saguaro sampling constant C (1 = off)", group="ssd")
-    proposal_top: int = _option(64, "at temperature > 0 the worker drafts from its N most likely tokens "
+    proposal_top: int = _option(256, "at temperature > 0 the worker drafts from its N most likely tokens "
                                     "(renormalized), so N (token, probability) pairs per draft token cross the "
                                     "wire instead of the whole head; 0 keeps every token", group="ssd", metavar="N")
     backup: str = _option("auto", "speculation on a cache miss: neural (draft now), fast (n-gram), or auto "

@@ -19,7 +19,7 @@ def sd_decoder(target: LlamaModel, draft: LlamaModel, k: int, prompt_lookup: int
 
 
 def worker_config(draft: str, dtype: str, k: int, fan_out: list[int], saguaro_c: float = 1.0, *,
-                  prompt_lookup: int | None = None, address: str | None = None, proposal_top: int = 64,
+                  prompt_lookup: int | None = None, address: str | None = None, proposal_top: int = 256,
                   **worker) -> WorkerConfig:
     spec = SpeculativeConfig("ssd", draft, k, prompt_lookup, fan_out, saguaro_c=saguaro_c, draft_address=address,
                              proposal_top=proposal_top)
