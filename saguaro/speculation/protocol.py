@@ -3,8 +3,9 @@
 Messages are small dataclasses pickled into one byte tensor and sent point-to-point through a
 `torch.distributed` process group of its own (gloo on CPU, NCCL on CUDA), so two engines can
 share a host and the worker can live on another one. Only token ids, outcome keys and, at
-temperature > 0, the proposal distributions verification needs, and for an EAGLE draft the
-target's hidden states of the committed tokens cross the wire.
+temperature > 0, the proposal distributions verification needs (as their proposal_top
+(token, probability) pairs), and for an EAGLE draft the target's hidden states of the
+committed tokens cross the wire.
 """
 from __future__ import annotations
 
