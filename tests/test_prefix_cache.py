@@ -112,10 +112,14 @@ def bf16() -> LLM:
 
 
 @pytest.fixture(scope="module")
-def uncached() -> list[list[int]]:
-    llm = LLM("smollm2", method="ar", enable_prefix_caching=False)
+def plain() -> LLM:
+    return LLM("smollm2", method="ar", enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def uncached(plain) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=24)
-    return [o.token_ids for o in llm.generate(chats(), params, use_tqdm=False)]
+    return [o.token_ids for o in plain.generate(chats(), params, use_tqdm=False)]
 
 
 def test_greedy_output_is_the_same_with_cached_prefixes(bf16, uncached):
@@ -126,6 +130,17 @@ def test_greedy_output_is_the_same_with_cached_prefixes(bf16, uncached):
     assert first.metrics.num_cached_tokens == 0
     assert all(o.metrics.num_cached_tokens >= len(bf16.encode(SYSTEM)) for o in rest)
     assert bf16.metrics()["prefix_cache_hit_tokens"] > 0
+
+
+def test_a_chat_s_next_turn_starts_from_the_cached_conversation(bf16, plain):
+    params = SamplingParams(temperature=0, max_tokens=40)
+    first = chats()[4]
+    reply = bf16.generate(first, params, use_tqdm=False)[0]
+    second = first + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "And nails?"}]
+    out = bf16.generate(second, params, use_tqdm=False)[0]
+    expected = plain.generate(second, params, use_tqdm=False)[0]
+    assert out.token_ids == expected.token_ids
+    assert out.metrics.num_cached_tokens >= len(reply.prompt_token_ids) + len(reply.token_ids) - 2 * BLOCK_SIZE
 
 
 def test_control_corrupted_cached_entries_change_the_output(bf16, uncached):

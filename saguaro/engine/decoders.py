@@ -74,6 +74,12 @@ class ARDecoder:
         self.cache = ensure_cache(self.cache, self.target, num_rows, num_slots)
 
     def release(self, seqs: list[Sequence]) -> None:
+        """Frees the sequences' rows; the prefix cache first keeps their text's blocks (its KV
+        entries are all there but the last token's), which the next turn of a chat starts with."""
+        if self.prefix_cache is not None:
+            for seq in seqs:
+                if seq.seq_id in self.rows.of:
+                    self.prefix_cache.store(self.cache, self.rows.of[seq.seq_id], seq.token_ids[:-1])
         self.rows.free([s.seq_id for s in seqs])
 
     def metrics(self) -> dict:
