@@ -7,7 +7,7 @@ import torch
 
 from conftest import NEW_TOKENS
 
-HF_PROMPTS = 12  # of the 20 (6 code, 6 chat): transformers decodes one prompt at a time, ~3 s each
+HF_PROMPTS = 8  # of the 20 (4 code, 4 chat): transformers decodes one prompt at a time, ~3 s each
 
 
 def hf_greedy(model, prompt: list[int], eos_token_ids: list[int]) -> list[int]:

@@ -311,8 +311,7 @@ def with_ssd(llm):
     llm.engine = ar_engine
 
 
-@pytest.mark.parametrize("backup", ["neural", "fast"])
-@pytest.mark.parametrize("batch, count", [(1, 4), (4, 12)])
+@pytest.mark.parametrize("batch, count, backup", [(1, 4, "neural"), (4, 12, "neural"), (4, 12, "fast")])
 def test_ssd_greedy_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy, backup, batch, count):
     ssd_llm = with_ssd(ssd_decoder(llm, draft_path, backup))
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
