@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-chat-template", action="store_true", help="raw prompts (default: chat template applied)")
     bench.add_argument("--no-ignore-eos", action="store_true", help="stop at end-of-sequence (default: decode max tokens)")
     bench.add_argument("--quick", action="store_true",
-                       help="smoke run: 2 prompts x 16 tokens, T 0 and 0.7, batch 1 and 2, fan-outs 1,2 (under 3 min)")
+                       help="smoke run: 2 prompts x 16 tokens, T 0, batch 1 and 2, fan-outs 1,2 (about a minute)")
     bench.add_argument("--out", type=Path, default=Path("bench_out"))
     add_speculative_arguments(bench, exclude=("method",))
     plan = commands.add_parser("plan", help="what method=auto measures, predicts and chooses, per batch size")
