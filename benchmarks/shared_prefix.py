@@ -2,8 +2,9 @@
 one prompt, with the prefix cache on and off, side by side.
 
 Scenarios (each run `--repeats` times, the two settings taking turns, medians reported):
-  prefill  one request whose ~500-token system prompt an earlier request (another question)
-           left in the cache, against the same request without the cache: time to first token;
+  prefill  one request whose ~500-token system prompt an earlier request left in the cache,
+           with a question never asked before, against the same request without the cache:
+           time to first token;
   system   8 requests with one ~500-token system prompt (ShareGPT text) and 8 different
            questions, arriving together (one batch), the cache empty at the start;
   n=8      one prompt, 8 samples at T = 0.7: `n = 8` with the cache against 8 copies of
@@ -67,13 +68,14 @@ def main() -> None:
     for method in args.methods.split(","):
         on, off = LLM(method=method), LLM(method=method, enable_prefix_caching=False)
         system = system_prompt(on)
-        asks = questions(9)
+        asks = questions(9 + args.repeats)
         chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in asks]
+        fresh = iter(chats[9:])  # a new question for each prefill run
         greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         sampled = SamplingParams(temperature=0.7, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
         scenarios = {
-            "prefill": (lambda: run(on, chats[8], SamplingParams(temperature=0, max_tokens=1), False),
-                        lambda: run(off, chats[8], SamplingParams(temperature=0, max_tokens=1), False)),
+            "prefill": (lambda: run(on, current[0], SamplingParams(temperature=0, max_tokens=1), False),
+                        lambda: run(off, current[0], SamplingParams(temperature=0, max_tokens=1), False)),
             "system x8": (lambda: run(on, chats[:8], greedy, True), lambda: run(off, chats[:8], greedy, True)),
             "n=8": (lambda: run(on, chats[8], SamplingParams(**{**sampled.__dict__, "n": 8}), True),
                     lambda: run(off, [chats[8]] * 8, sampled, True)),
@@ -81,7 +83,9 @@ def main() -> None:
         run(on, chats[0], SamplingParams(temperature=0, max_tokens=4), True)  # warm-up; caches the system prompt
         run(off, chats[0], SamplingParams(temperature=0, max_tokens=4), True)
         results = {(name, setting): [] for name in scenarios for setting in ("on", "off")}
+        current = [None]
         for _ in range(args.repeats):
+            current[0] = next(fresh)
             for name, (with_cache, without) in scenarios.items():
                 results[name, "on"].append(with_cache())
                 results[name, "off"].append(without())

@@ -12,22 +12,17 @@ import torch
 
 from saguaro import LLM, SamplingParams
 from saguaro.engine.runner import forward_chunks, prefill_chunks
-from saguaro.models.config import ModelConfig
 from saguaro.models.kv_cache import new_cache
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import BLOCK_SIZE, PrefixCache
 from stats import ks_pvalue, teacher_forced_pit
+from test_kv_cache import VOCAB, model  # noqa: F401 (a fixture)
 
-VOCAB = 64
 
 
 @pytest.fixture(scope="module")
-def tiny() -> LlamaModel:
-    torch.manual_seed(0)
-    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8)
-    model = LlamaModel(config).eval().requires_grad_(False)
-    model.lm_head.weight.mul_(20)
+def tiny(model) -> LlamaModel:
+    """test_kv_cache's tiny model, batch-invariant: a chunk's entries do not depend on its length."""
     model.set_batch_invariant(True)
     return model
 
