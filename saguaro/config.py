@@ -31,9 +31,6 @@ class SpeculativeConfig:
                                                     "bonus tokens per accepted length", group="ssd")
     fan_out_budget: int = _option(16, "cached branches per request", group="ssd")
     saguaro_c: float = _option(1.0, "Saguaro sampling constant C (1 = off)", group="ssd")
-    proposal_top: int = _option(256, "at temperature > 0 the worker drafts from its N most likely tokens "
-                                    "(renormalized), so N (token, probability) pairs per draft token cross the "
-                                    "wire instead of the whole head; 0 keeps every token", group="ssd", metavar="N")
     backup: str = _option("auto", "speculation on a cache miss: neural (draft now), fast (n-gram), or auto "
                                   "(by batch size)", group="ssd", choices=BACKUPS)
     draft_device: str = _option("cpu", "the draft worker's device", group="ssd")
@@ -43,6 +40,9 @@ class SpeculativeConfig:
     acceptance_rate: float = _option(0.75, "prior per-token acceptance for the geometric fan-out (re-fitted "
                                            "to the measured one every 16 rounds)", group="ssd")
     power_law_r: float = _option(0.6, "exponent r of the cache miss rate F^-r", group="ssd")
+    proposal_top: int = _option(256, "at temperature > 0 the worker drafts from its N most likely tokens "
+                                    "(renormalized), so N (token, probability) pairs per draft token cross the "
+                                    "wire instead of the whole head; 0 keeps every token", group="ssd", metavar="N")
 
     def __post_init__(self):
         if self.method not in METHODS:

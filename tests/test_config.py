@@ -12,8 +12,9 @@ from saguaro.server.serve import build_parser as build_serve_parser
 
 FLAGS = ["--draft", "smollm2", "-k", "3", "--prompt-lookup", "0", "--fan-out", "2,1,1,0", "--fan-out-budget", "4",
          "--saguaro-c", "0.5", "--backup", "fast", "--draft-device", "cpu", "--draft-address", "127.0.0.1:29999",
-         "--acceptance-rate", "0.6", "--power-law-r", "0.7"]
-EXPECTED = SpeculativeConfig("ssd", "smollm2", 3, 0, [2, 1, 1, 0], 4, 0.5, "fast", "cpu", "127.0.0.1:29999", 0.6, 0.7)
+         "--acceptance-rate", "0.6", "--power-law-r", "0.7", "--proposal-top", "32"]
+EXPECTED = SpeculativeConfig("ssd", "smollm2", 3, 0, [2, 1, 1, 0], 4, 0.5, "fast", "cpu", "127.0.0.1:29999", 0.6, 0.7,
+                             proposal_top=32)
 
 
 def test_every_command_reads_the_same_options_into_the_same_config():
