@@ -35,7 +35,8 @@ def main(target_dir: str, draft_dir: str, address: str, prompts_json: str) -> No
     target = load_checkpoint(target_dir, torch.float32)
     prompts = json.loads(prompts_json)
     spec = SpeculativeConfig("ssd", draft_dir, 2, fan_out=[1, 1, 1], draft_address=address)
-    ssd = SSDDecoder(target, DraftClient(WorkerConfig(spec, "float32", timeout_s=60, startup_timeout_s=60), None), backup="neural")
+    client = DraftClient(WorkerConfig(spec, "float32", timeout_s=60, startup_timeout_s=60), None)
+    ssd = SSDDecoder(target, client, backup="neural")
     try:
         got = greedy(ssd, prompts)
         channel = ssd.client.channel
