@@ -30,7 +30,7 @@ from saguaro.models.loader import save_checkpoint
 from saguaro.speculation import speculator
 from saguaro.speculation.client import DraftClient
 from saguaro.speculation.speculator import saguaro_sigma
-from saguaro.speculation.protocol import SparseProbs
+from saguaro.speculation.protocol import SparseProbs, dense_probs
 from saguaro.speculation.ssd import SSDDecoder, SSDStats
 from stats import MisreportedProposal, ks_pvalue, sharpen, teacher_forced_pit
 from test_exactness import ALPHA, PROMPT, REDUCED_HEAD, TINY_V, residual_is_p, tiny_model
@@ -264,7 +264,8 @@ def sharpen_cached_proposals(monkeypatch, power: float) -> None:
 
     def misreporting(self, request):
         spec = speculate(self, request)
-        spec.probs = [sharpen(p, power) if hit and p is not None else p for p, hit in zip(spec.probs, spec.hits)]
+        spec.probs = [sharpen(dense_probs(p), power) if hit and p is not None else p
+                      for p, hit in zip(spec.probs, spec.hits)]
         return spec
 
     monkeypatch.setattr(DraftClient, "speculate", misreporting)
