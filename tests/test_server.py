@@ -421,6 +421,20 @@ def test_full_queue_answers_429_with_retry_after(ssd_server):
         assert c.post("/v1/completions", json={**body, "max_tokens": 2, "stream": False}).status_code == 200
 
 
+def test_samples_that_do_not_all_fit_are_refused_together(ssd_server):
+    """n = 4 where 3 places are free (2 running, 1 waiting): a 429, and the 3 samples already
+    queued are cancelled rather than decoded for nobody."""
+    cancelled = metric(ssd_server.url, 'requests_total{reason="cancelled"}')
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "n": 4}
+    with httpx.Client(base_url=ssd_server.url, timeout=TIMEOUT_S) as c:
+        refused = c.post("/v1/completions", json=body)
+        assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+        wait_until(lambda: metric(ssd_server.url, 'requests_total{reason="cancelled"}') == cancelled + 3)
+        wait_until(lambda: metric(ssd_server.url, "requests_running") == 0)
+        assert metric(ssd_server.url, "requests_waiting") == 0
+        assert c.post("/v1/completions", json={**body, "n": 3, "max_tokens": 2}).status_code == 200
+
+
 def test_killing_the_draft_worker_mid_stream_loses_nothing_and_a_new_one_takes_over(ssd_server, offline):
     decoder = ssd_server.llm.decoder
     process = decoder.client.process
