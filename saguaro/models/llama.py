@@ -158,6 +158,7 @@ class LlamaModel(nn.Module):
             # Vocabulary id of each head row; saved with the weights.
             self.register_buffer("head_token_ids", torch.zeros(config.head_vocab_size, dtype=torch.long))
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.native_layers = None  # saguaro.models.native.NativeLayers, where the loader attached them
 
     def set_batch_invariant(self, on: bool) -> None:
         """Whether each position's logits are bit-identical however many tokens and sequences
@@ -195,8 +196,10 @@ class LlamaModel(nn.Module):
             raise IndexError(f"the KV cache has {cache.num_slots} slots; {mask.shape[-1]} needed")
         freqs = positions[..., None].float() * self.inv_freq
         cos, sin = freqs.cos()[:, :, None], freqs.sin()[:, :, None]
-        attn_mask = gqa_mask(mask, self.config.num_heads // self.config.num_kv_heads)
         rows = as_slice(rows)
+        if self.native_layers is not None:
+            return self.norm(self.native_layers.run(x, cos, sin, cache, rows, slots, mask, mask.shape[-1]))
+        attn_mask = gqa_mask(mask, self.config.num_heads // self.config.num_kv_heads)
         for layer in self.layers:
             x = layer(x, cos, sin, cache, rows, slots, attn_mask, mask.shape[-1])
         return self.norm(x)

@@ -1,5 +1,5 @@
-"""Loads checkpoints: local Hugging Face folders (safetensors), GGUF files (4-bit blocks kept as
-int4 codes, every other type dequantized) and saguaro's own folders (config.json with
+"""Loads checkpoints: local Hugging Face folders (safetensors), GGUF files (4-bit and Q8_0 blocks
+kept as codes, every other type dequantized) and saguaro's own folders (config.json with
 ModelConfig fields + model.safetensors), which drafts use and which may leave out the
 embedding table they share with their target."""
 from __future__ import annotations
@@ -14,9 +14,12 @@ from saguaro.models.config import ModelConfig, UnsupportedModelError
 from saguaro.models.eagle import model_class
 from saguaro.models.gguf_file import GGUFFile, read_gguf_file
 from saguaro.models.hub import cache_dir
+from saguaro.models import native
 from saguaro.models.llama import LlamaModel, rope_inv_freq
 from saguaro.models.packed import pack_linears
-from saguaro.models.quantized import GROUP, GroupInt4, check_mode, quantized_linear
+from saguaro.models.quantized import GROUP, GroupInt4, GroupInt8, check_mode, quantized_linear
+
+Grouped = (GroupInt4, GroupInt8)
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -143,15 +146,20 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
     return np.stack([packed & 0x0F, packed >> 4], axis=-2)
 
 
-def gguf_int4(tensor) -> GroupInt4 | None:
-    """A Q4_0 / Q4_1 / Q4_K tensor's own codes, scales and offsets per group of 32 weights
+def gguf_groups(tensor) -> GroupInt4 | GroupInt8 | None:
+    """A Q4_0 / Q4_1 / Q4_K / Q8_0 tensor's own codes, scales and offsets per group of 32 weights
     (ggml's block layouts); None for other types."""
     from gguf import GGMLQuantizationType as Q
 
     kind = tensor.tensor_type
+    out_features, in_features = (int(n) for n in reversed(tensor.shape))
+    if kind == Q.Q8_0:  # 32 weights: fp16 d, 32 signed codes
+        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, 34)
+        codes = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
+        return GroupInt8(torch.from_numpy(codes.reshape(out_features, in_features).copy()),
+                         torch.from_numpy(_halves(blocks, 0).reshape(out_features, in_features // GROUP)))
     if kind not in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
         return None
-    out_features, in_features = (int(n) for n in reversed(tensor.shape))
     block_bytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144}[kind]
     blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, block_bytes)
     if kind == Q.Q4_K:  # 256 weights: fp16 d, dmin; 8 six-bit scales and mins; 128 bytes of codes
@@ -172,11 +180,11 @@ def gguf_int4(tensor) -> GroupInt4 | None:
                      torch.from_numpy(np.ascontiguousarray(lows.reshape(out_features, groups))))
 
 
-def _unpermute_rope(weight: torch.Tensor | GroupInt4, n_head: int) -> torch.Tensor | GroupInt4:
+def _unpermute_rope(weight: torch.Tensor | GroupInt4 | GroupInt8, n_head: int) -> torch.Tensor | GroupInt4 | GroupInt8:
     """Undoes llama.cpp's reordering of q/k rows (interleaved rope) back to rotate-half order."""
     rows = weight.shape[0]
     order = torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
-    return weight.rows(order) if isinstance(weight, GroupInt4) else weight[order]
+    return weight.rows(order) if isinstance(weight, Grouped) else weight[order]
 
 
 def gguf_tensor_name(gguf_name: str) -> str | None:
@@ -193,16 +201,18 @@ def gguf_tensor_name(gguf_name: str) -> str | None:
     raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name}")
 
 
-def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupInt4]]:
-    """Config and weights; 4-bit blocks as GroupInt4, everything else dequantized to fp32."""
+def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupInt4 | GroupInt8]]:
+    """Config and weights; the projections', head's and embedding's 4-bit and Q8_0 blocks as
+    GroupInt4 / GroupInt8, everything else dequantized to fp32."""
     reader = read_gguf_file(file)
     config = ModelConfig.from_hf(gguf_hf_config(reader))
-    state: dict[str, torch.Tensor | GroupInt4] = {}
+    state: dict[str, torch.Tensor | GroupInt4 | GroupInt8] = {}
     for tensor in reader.tensors:
         name = gguf_tensor_name(tensor.name)
         if name is None:
             continue
-        weight = gguf_int4(tensor) if name.endswith("_proj.weight") else None
+        grouped = name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
+        weight = gguf_groups(tensor) if grouped else None
         if weight is None:
             weight = torch.from_numpy(np.array(dequantize_gguf(tensor), dtype=np.float32))
         # Only the "llama" architecture stores q/k rows in llama.cpp's interleaved order.
@@ -235,37 +245,41 @@ def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dic
     return state
 
 
-def _cat(parts: list) -> torch.Tensor | GroupInt4:
-    """Stacks projections' rows, keeping them int4 only where every part is."""
-    if all(isinstance(p, GroupInt4) for p in parts):
-        return GroupInt4.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, GroupInt4) else p for p in parts])
+def _cat(parts: list) -> torch.Tensor | GroupInt4 | GroupInt8:
+    """Stacks projections' rows, keeping their codes only where every part has the same kind."""
+    for kind in Grouped:
+        if all(isinstance(p, kind) for p in parts):
+            return kind.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, Grouped) else p for p in parts])
 
 
-def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupInt4], dtype: torch.dtype,
+def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupInt4 | GroupInt8], dtype: torch.dtype,
                 device: str | torch.device, quantization: str | None = None) -> LlamaModel:
     """The model; `quantization` (saguaro.models.quantized.MODES) says which decoder projections
-    run quantized. The embeddings and the head stay in `dtype`."""
+    run quantized. The embeddings stay in `dtype`, and so does the head, except that "auto" keeps
+    a Q8_0 head's codes where saguaro's kernels run."""
     mode = check_mode(quantization, dtype, torch.device(device))
     with torch.device("meta"):
         model = LlamaModel(config)
     state = fuse_hf_state(config, hf_state)
     quantized = {}
-    for name in [n for n in state if n.startswith("layers.") and n.endswith("_proj.weight")]:
+    head = ["lm_head.weight"] if mode == "auto" and isinstance(state.get("lm_head.weight"), GroupInt8) else []
+    for name in [n for n in state if n.startswith("layers.") and n.endswith("_proj.weight")] + head:
         module = name.removesuffix(".weight")
         bias = state.get(f"{module}.bias")
-        layer = quantized_linear(state[name], None if bias is None else bias.to(dtype), mode, dtype)
+        out_dtype = torch.float32 if name == "lm_head.weight" else dtype  # logits are wanted in fp32
+        layer = quantized_linear(state[name], None if bias is None else bias.to(dtype), mode, dtype, out_dtype)
         if layer is not None:
             quantized[module] = layer
             del state[name]
             state.pop(f"{module}.bias", None)
-    state = {k: (v.dequantize() if isinstance(v, GroupInt4) else v).to(dtype) for k, v in state.items()}
+    state = {k: (v.dequantize() if isinstance(v, Grouped) else v).to(dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - {f"{m}.{kind}" for m in quantized for kind in ("weight", "bias")}:
         raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
     for module, layer in quantized.items():
         model.set_submodule(module, layer)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and "lm_head" not in quantized:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config)
     return frozen(model.to(device))
@@ -274,7 +288,9 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupInt
 def frozen(model: LlamaModel) -> LlamaModel:
     """An inference model: eval mode, no gradients, CPU weights in oneDNN's layout."""
     model.eval().requires_grad_(False)
-    return pack_linears(model, model.device, model.dtype)
+    model = pack_linears(model, model.device, model.dtype)
+    native.attach(model)
+    return model
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -287,7 +303,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return names[dtype]
 
 
-def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupInt4]]:
+def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupInt4 | GroupInt8]]:
     folder, gguf_file = checkpoint_files(Path(path))
     return read_gguf(gguf_file) if gguf_file else read_hf_folder(folder)
 

@@ -1,15 +1,18 @@
-"""Weight-only quantized projections for CPU decoding: int4 in groups of 32, int8 per channel.
+"""Weight-only quantized projections for CPU decoding: int4 and int8 in groups of 32, int8 per channel.
 
-A decode step reads every weight once, so its cost is the bytes it streams. torch ships CPU
-kernels that read int4 and int8 weights and compute in bf16 with fp32 sums; a step's
-projections read a quarter of bf16's bytes in int4. Their fp16 and fp32 paths are scalar
+A decode step reads every weight once, so its cost is the bytes it streams. saguaro's own
+kernels (saguaro.models.native) read int4 and int8 groups at their GGUF density; torch ships
+kernels for int4 groups and per-channel int8. All compute in bf16 with fp32 sums; a step's
+projections read a quarter of bf16's bytes in int4. torch's fp16 and fp32 paths are scalar
 (measured here, one 1536 x 576 int4 product: 0.09 ms in bf16, 8.4 ms in fp16), so quantized
 layers run in bf16 only. The activations are not quantized (llama.cpp quantizes them to 8
 bits): only the weights change.
 
 int4 is held as llama.cpp's Q4_0 / Q4_1 / Q4_K hold it: a code 0..15 per weight and, per group
-of 32 weights along the input, a scale and an offset (w = code * scale + low), so those GGUF
-blocks load code for code; only the scale and offset round to the compute dtype.
+of 32 weights along the input, a scale and an offset (w = code * scale + low), and int8 groups as
+Q8_0 holds them (w = code * scale), so those GGUF blocks load code for code. Scales and offsets
+round to fp16 in saguaro's kernels (Q4_0, Q4_1 and Q8_0 store them so: exact) and to bf16 in
+torch's int4 kernel.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-GROUP = 32  # weights per int4 group: the block of Q4_0 / Q4_1 and the sub-block of Q4_K
+from saguaro.models import native
+from saguaro.models.native import GROUP
 MODES = ("auto", "none", "int8", "int4")
 
 
@@ -53,6 +57,29 @@ class GroupInt4:
         scales = ((highs - lows) / 15).clamp_min(torch.finfo(torch.float32).tiny)
         codes = ((groups - lows[..., None]) / scales[..., None]).round_().clamp_(0, 15)
         return cls(codes.to(torch.uint8).reshape(weight.shape), scales, lows)
+
+
+@dataclass
+class GroupInt8:
+    """Weights [out, in] as codes -128..127 with a scale per group of GROUP inputs (Q8_0)."""
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out, in / GROUP] fp32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        out_features, in_features = self.codes.shape
+        groups = self.codes.reshape(out_features, -1, GROUP).float()
+        return (groups * self.scales[..., None]).reshape(out_features, in_features)
+
+    def rows(self, index: torch.Tensor) -> GroupInt8:
+        return GroupInt8(self.codes[index], self.scales[index])
+
+    @staticmethod
+    def cat(parts: list[GroupInt8]) -> GroupInt8:
+        return GroupInt8(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales")))
 
 
 def fits_int4(out_features: int, in_features: int) -> bool:
@@ -93,10 +120,16 @@ class QuantizedLinear(nn.Module):
 
 
 class Int4Linear(QuantizedLinear):
-    """Weights held as GroupInt4, computed by torch's int4 CPU kernel."""
+    """Weights held as GroupInt4, computed by saguaro's kernel where it runs, else torch's."""
 
     def __init__(self, weights: GroupInt4, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__(*weights.shape, bias)
+        self.compute_dtype = dtype
+        self.native = native.available() and native.fits(*weights.shape)
+        self.bits = 4 if self.native else None  # what decoder_layer.c reads (saguaro.models.native)
+        if self.native:
+            self.register_buffer("packed", native.pack4(weights.codes, weights.scales, weights.lows), persistent=False)
+            return
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.codes.int(), 2),
                              persistent=False)
         # The kernel computes (code - 8) * scale + zero: the zero is the weight at code 8.
@@ -104,15 +137,28 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", torch.stack([weights.scales, zeros], -1).transpose(0, 1)
                              .contiguous().to(dtype), persistent=False)
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.scales_and_zeros.dtype
-
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return native.group_matmul(4, self.packed, rows, self.out_features)
         return torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group={GROUP}"
+
+
+class GroupInt8Linear(QuantizedLinear):
+    """Weights held as GroupInt8 (saguaro's kernel only). A head's logits come out in fp32."""
+
+    bits = 8
+
+    def __init__(self, weights: GroupInt8, bias: torch.Tensor | None, dtype: torch.dtype,
+                 out_dtype: torch.dtype | None = None):
+        super().__init__(*weights.shape, bias)
+        self.compute_dtype, self.out_dtype = dtype, out_dtype or dtype
+        self.register_buffer("packed", native.pack8(weights.codes, weights.scales), persistent=False)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return native.group_matmul(8, self.packed, rows, self.out_features, self.out_dtype)
 
 
 class Int8Linear(QuantizedLinear):
@@ -147,12 +193,16 @@ def check_mode(quantization: str | None, dtype: torch.dtype, device: torch.devic
     return mode
 
 
-def quantized_linear(weight: torch.Tensor | GroupInt4, bias: torch.Tensor | None, mode: str,
-                     dtype: torch.dtype) -> nn.Module | None:
+def quantized_linear(weight: torch.Tensor | GroupInt4 | GroupInt8, bias: torch.Tensor | None, mode: str,
+                     dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> nn.Module | None:
     """The quantized layer for one projection, or None where it stays a plain linear layer."""
     out_features, in_features = weight.shape
     if mode == "int8":
-        return Int8Linear(weight.dequantize() if isinstance(weight, GroupInt4) else weight, bias, dtype)
+        return Int8Linear(weight if isinstance(weight, torch.Tensor) else weight.dequantize(), bias, dtype)
+    if isinstance(weight, GroupInt8):
+        if mode == "auto" and native.available() and native.fits(out_features, in_features):
+            return GroupInt8Linear(weight, bias, dtype, out_dtype)
+        weight = weight.dequantize()
     if not fits_int4(out_features, in_features):
         return None
     if isinstance(weight, GroupInt4) and mode in ("auto", "int4"):

@@ -1,0 +1,205 @@
+"""saguaro's own CPU kernels (group_matmul.c, decoder_layer.c), compiled with the system C
+compiler at first use.
+
+A decode step streams every weight once, so its speed is the bytes it reads per token. torch's
+int4 kernel reads a GGUF's 4-bit weights with bf16 scales and zeros, and no torch kernel reads
+8-bit blocks, so a Q8_0 head (the tied embedding of most GGUF files) ran as a bf16 matrix twice
+its size. group_matmul.c reads both at their own density (Q4_1's 0.625 and Q8_0's 1.06 bytes a
+weight) and multiplies as llama.cpp does: activations rounded to 8 bits per group of 32, integer
+dot products (AVX512-VNNI), fp32 sums. Each row is computed alone (batch-invariant).
+
+decoder_layer.c runs a whole decoder layer of such a model in one call: in Python a layer was
+~90 small torch operations, half of a decode step's time.
+
+It needs x86-64 with AVX512-VNNI and a C compiler (`$CC`, else `cc`) with OpenMP. Without them
+saguaro says so once and runs torch's kernels: the same weights, with bf16 activations. The
+library is cached under saguaro's cache folder, keyed by the source and the compiler, so later
+starts load it in milliseconds. SAGUARO_NATIVE=0 turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCES = [Path(__file__).with_name(name) for name in ("group_matmul.c", "decoder_layer.c")]
+GROUP = 32  # inputs per group: the block of Q4_0 / Q4_1 / Q8_0 and the sub-block of Q4_K
+TILE_OUT = 16  # outputs per tile; a tile covers GROUP inputs
+
+
+class NativeUnavailable(RuntimeError):
+    pass
+
+
+class LayerWeights(ctypes.Structure):
+    """decoder_layer.c's LayerWeights: shapes, then pointers into the layer's tensors."""
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + [
+        ("eps", ctypes.c_float)] + [(name, ctypes.c_void_p) for name in (
+            "input_norm", "post_norm", "q_norm", "k_norm", "qkv_bias", "qkv", "o", "gate_up", "down")] + [
+        (name, ctypes.c_int) for name in ("qkv_bits", "o_bits", "gate_up_bits", "down_bits")]
+
+
+def _library_path() -> Path:
+    from saguaro.models.hub import cache_dir
+
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise NativeUnavailable(f"no C compiler ({compiler!r} not found; set $CC)")
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + compiler.encode()).hexdigest()[:16]
+    path = cache_dir() / "native" / f"saguaro-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            built = Path(tmp) / path.name
+            result = subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-fopenmp", *map(str, SOURCES), "-o", str(built),
+                                     "-lm"], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise NativeUnavailable(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+            os.replace(built, path)  # atomic: a concurrent start sees the whole file or none
+    return path
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (with one warning saying why) where they cannot run."""
+    if os.environ.get("SAGUARO_NATIVE", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_library_path()))
+        if not lib.saguaro_cpu_supported():
+            raise NativeUnavailable("this CPU lacks AVX512-BF16")
+    except (NativeUnavailable, OSError) as error:
+        warnings.warn(f"saguaro's CPU kernels are off ({error}); quantized layers run torch's kernels, "
+                      "and a Q8_0 head runs dequantized to bf16 (slower)", stacklevel=2)
+        return None
+    lib.saguaro_group_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.saguaro_group_matmul.restype = ctypes.c_int
+    lib.saguaro_decoder_layer.argtypes = [ctypes.POINTER(LayerWeights), ctypes.c_void_p, ctypes.c_int64,
+                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_int64, ctypes.c_int]
+    lib.saguaro_decoder_layer.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    return out_features % TILE_OUT == 0 and in_features % GROUP == 0
+
+
+def _halves(values: torch.Tensor) -> torch.Tensor:
+    """[out, groups] -> [columns, groups, 16 fp16 as 32 bytes]."""
+    out_features, groups = values.shape
+    tiles = values.reshape(out_features // TILE_OUT, TILE_OUT, groups).transpose(1, 2).to(torch.float16)
+    return tiles.contiguous().view(torch.uint8)
+
+
+def pack4(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
+    """codes [out, in] 0..15, scales and lows [out, in / 32] -> tiles of 320 bytes."""
+    out_features, in_features = codes.shape
+    # [column, output j, group, half (inputs 0-15 / 16-31), chunk u, t] -> [column, group, u, j, t, half]
+    c = codes.reshape(out_features // TILE_OUT, TILE_OUT, in_features // GROUP, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    chunks = (c[..., 0] | (c[..., 1] << 4)).to(torch.uint8).reshape(*c.shape[:2], 256)
+    return torch.cat([chunks, _halves(scales), _halves(lows)], dim=-1).contiguous()
+
+
+def pack8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codes [out, in] int8, scales [out, in / 32] -> tiles of 544 bytes."""
+    out_features, in_features = codes.shape
+    # [column, output j, group, chunk k, t] -> [column, group, k, j, t], offset to unsigned
+    c = codes.reshape(out_features // TILE_OUT, TILE_OUT, in_features // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
+    chunks = (c.to(torch.int16) + 128).to(torch.uint8).reshape(*c.shape[:2], 512)
+    return torch.cat([chunks, _halves(scales)], dim=-1).contiguous()
+
+
+def group_matmul(bits: int, tiles: torch.Tensor, x: torch.Tensor, out_features: int,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [rows, in] bf16 @ the packed weights' transpose -> [rows, out] in bf16 or fp32."""
+    x = x.contiguous()
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"saguaro's kernels take bf16 activations, got {x.dtype}")
+    rows, in_features = x.shape
+    out = torch.empty(rows, out_features, dtype=out_dtype)
+    if rows and library().saguaro_group_matmul(bits, tiles.data_ptr(), x.data_ptr(), out.data_ptr(), rows, in_features,
+                                               out_features, int(out_dtype == torch.float32),
+                                               torch.get_num_threads()) != 0:
+        raise MemoryError("saguaro_group_matmul: out of memory")
+    return out
+
+
+class NativeLayers:
+    """A model's decoder layers as decoder_layer.c runs them (see `attach`)."""
+
+    def __init__(self, model: torch.nn.Module):
+        config = model.config
+        self.weights = []
+        self.kept = []  # tensors the structs point into
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            fields = dict(hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
+                          head_dim=config.head_dim, intermediate=config.intermediate_size, eps=config.rms_norm_eps)
+            tensors = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                       "q_norm": attn.q_norm.weight if attn.q_norm is not None else None,
+                       "k_norm": attn.k_norm.weight if attn.k_norm is not None else None,
+                       "qkv_bias": attn.qkv_proj.bias}
+            for name, projection in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                     ("down", mlp.down_proj)):
+                tensors[name] = projection.packed
+                fields[f"{name}_bits"] = projection.bits
+            for name, tensor in tensors.items():
+                if tensor is not None:
+                    tensor = tensor.detach().contiguous()
+                    self.kept.append(tensor)
+                fields[name] = None if tensor is None else tensor.data_ptr()
+            self.weights.append(LayerWeights(**fields))
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, rows, slots: torch.Tensor,
+            mask: torch.Tensor, span: int) -> torch.Tensor:
+        """The layers over x [B, T, hidden]; the arguments as LlamaModel.run_layers has them."""
+        B, T, hidden = x.shape
+        x = x.to(torch.bfloat16, copy=True).contiguous()
+        if rows is None:
+            rows = torch.arange(B)
+        elif isinstance(rows, slice):
+            rows = torch.arange(rows.start, rows.stop)
+        row_of = rows.to(torch.int64).repeat_interleave(T).contiguous()
+        slot_of = slots.to(torch.int64).reshape(-1).contiguous()
+        visible = None if bool(mask.all()) else mask.reshape(B * T, span).to(torch.uint8).contiguous()
+        cos, sin = cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()
+        lib, threads = library(), torch.get_num_threads()
+        layer_bytes = cache.keys[0].numel() * cache.keys.element_size()
+        for i, weights in enumerate(self.weights):
+            status = lib.saguaro_decoder_layer(
+                ctypes.byref(weights), x.data_ptr(), B * T, cos.data_ptr(), sin.data_ptr(),
+                cache.keys.data_ptr() + i * layer_bytes, cache.values.data_ptr() + i * layer_bytes, cache.num_slots,
+                row_of.data_ptr(), slot_of.data_ptr(), None if visible is None else visible.data_ptr(), span, threads)
+            if status != 0:
+                raise MemoryError(f"saguaro_decoder_layer failed ({status})")
+        return x
+
+
+def attach(model: torch.nn.Module) -> None:
+    """Runs a bf16 CPU model's layers natively where every projection is held in saguaro's tiles."""
+    model.native_layers = None
+    head_dim = model.config.head_dim
+    if not available() or model.dtype != torch.bfloat16 or model.device.type != "cpu" or head_dim % 16 or head_dim > 256:
+        return
+    for layer in model.layers:
+        projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if not all(getattr(p, "bits", None) for p in projections):
+            return
+        if any(p.bias is not None for p in projections[1:]):  # decoder_layer.c adds a bias to qkv only
+            return
+    model.native_layers = NativeLayers(model)

@@ -1,0 +1,177 @@
+/* One Llama-family decoder layer in bf16, with its projections in group_matmul.c's tiles.
+ *
+ * Called once per layer instead of the ~90 small torch operations a layer costs in Python, which
+ * took half of a decode step. Every token is computed alone, in a fixed order (norms, products,
+ * rope, and attention over its own cache row with its own mask, skipping masked slots), so a
+ * token's result does not depend on how many tokens share the call. Rounding points follow the
+ * torch model (saguaro/models/llama.py): bf16 between operations, fp32 inside them.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define MAX_HEAD_DIM 256
+
+int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *x, void *out, int64_t rows,
+                         int64_t in_features, int64_t out_features, int out_fp32, int threads);
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps;
+    const uint16_t *input_norm, *post_norm; /* bf16 [hidden] */
+    const uint16_t *q_norm, *k_norm;        /* bf16 [head_dim], or NULL */
+    const uint16_t *qkv_bias;               /* bf16 [(heads + 2 kv_heads) * head_dim], or NULL */
+    const uint8_t *qkv, *o, *gate_up, *down; /* tiles */
+    int qkv_bits, o_bits, gate_up_bits, down_bits;
+} LayerWeights;
+
+static inline float from_bf16(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even; no NaNs arise here */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+static inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
+
+TARGET static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* out = bf16(x * rsqrt(mean(x^2) + eps) * weight), in fp32 (as torch's fused rms_norm). */
+static void rms_norm(const uint16_t *x, const uint16_t *weight, int64_t dim, float eps, uint16_t *out) {
+    float squares = 0.0f;
+    for (int64_t i = 0; i < dim; i++) {
+        float v = from_bf16(x[i]);
+        squares += v * v;
+    }
+    const float scale = 1.0f / sqrtf(squares / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) out[i] = to_bf16(from_bf16(x[i]) * scale * from_bf16(weight[i]));
+}
+
+/* Rotate-half rope over one head, in fp32, rounded once. */
+static void rope(uint16_t *head, const float *cos, const float *sin, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = from_bf16(head[i]), b = from_bf16(head[i + half]);
+        head[i] = to_bf16(a * cos[i] - b * sin[i]);
+        head[i + half] = to_bf16(b * cos[i] + a * sin[i]);
+    }
+}
+
+/* softmax(q k^T / sqrt(D)) v for one query head over the visible slots of one cache row, in
+ * fp32: products in 16-wide lanes, summed across lanes in a fixed order. head_dim % 16 == 0. */
+TARGET static void attend(const uint16_t *q, const uint16_t *keys, const uint16_t *values, int64_t head_dim,
+                          const uint8_t *mask, int64_t span, float *scores, uint16_t *out) {
+    const int64_t lanes = head_dim / 16;
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    __m512 qv[MAX_HEAD_DIM / 16], acc[MAX_HEAD_DIM / 16];
+    for (int64_t l = 0; l < lanes; l++) {
+        qv[l] = load_bf16(q + 16 * l);
+        acc[l] = _mm512_setzero_ps();
+    }
+    float top = -INFINITY;
+    for (int64_t j = 0; j < span; j++) {
+        if (mask && !mask[j]) continue;
+        __m512 dot = _mm512_mul_ps(qv[0], load_bf16(keys + j * head_dim));
+        for (int64_t l = 1; l < lanes; l++) dot = _mm512_fmadd_ps(qv[l], load_bf16(keys + j * head_dim + 16 * l), dot);
+        scores[j] = _mm512_reduce_add_ps(dot) * scale;
+        if (scores[j] > top) top = scores[j];
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < span; j++) {
+        if (mask && !mask[j]) continue;
+        const float p = expf(scores[j] - top);
+        total += p;
+        const __m512 pv = _mm512_set1_ps(p);
+        for (int64_t l = 0; l < lanes; l++) acc[l] = _mm512_fmadd_ps(pv, load_bf16(values + j * head_dim + 16 * l), acc[l]);
+    }
+    float result[16];
+    for (int64_t l = 0; l < lanes; l++) {
+        _mm512_storeu_ps(result, _mm512_div_ps(acc[l], _mm512_set1_ps(total)));
+        for (int i = 0; i < 16; i++) out[16 * l + i] = to_bf16(result[i]);
+    }
+}
+
+/* x [n, hidden] (bf16, updated in place) through one layer. keys / values: this layer's cache,
+ * [cache_rows, kv_heads, cache_slots, head_dim]; token t is written at row_of[t], slot_of[t] and
+ * attends to slots 0 .. span - 1 of its row where mask[t * span + j] (all of them when mask is
+ * NULL). Returns 0, -1 where memory ran out, -2 for an unsupported head size. */
+TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, const float *cos, const float *sin,
+                          uint16_t *keys, uint16_t *values, int64_t cache_slots, const int64_t *row_of,
+                          const int64_t *slot_of, const uint8_t *mask, int64_t span, int threads) {
+    const int64_t H = w->heads, Hkv = w->kv_heads, D = w->head_dim, hidden = w->hidden, inter = w->intermediate;
+    const int64_t qkv_width = (H + 2 * Hkv) * D, group = H / Hkv;
+    if (D > MAX_HEAD_DIM || D % 16) return -2;
+    uint16_t *normed = malloc(sizeof(uint16_t) * n * (hidden > H * D ? hidden : H * D));
+    uint16_t *qkv = malloc(sizeof(uint16_t) * n * qkv_width);
+    uint16_t *attn = malloc(sizeof(uint16_t) * n * H * D);
+    uint16_t *wide = malloc(sizeof(uint16_t) * n * 2 * inter);
+    uint16_t *narrow = malloc(sizeof(uint16_t) * n * (hidden > inter ? hidden : inter));
+    float *scores = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * (size_t)(span + 1));
+    int status = -1;
+    if (!normed || !qkv || !attn || !wide || !narrow || !scores) goto done;
+
+    for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->input_norm, hidden, w->eps, normed + t * hidden);
+    if (saguaro_group_matmul(w->qkv_bits, w->qkv, normed, qkv, n, hidden, qkv_width, 0, threads)) goto done;
+    for (int64_t t = 0; t < n; t++) {
+        uint16_t *row = qkv + t * qkv_width;
+        if (w->qkv_bias)
+            for (int64_t i = 0; i < qkv_width; i++) row[i] = to_bf16(from_bf16(row[i]) + from_bf16(w->qkv_bias[i]));
+        for (int64_t h = 0; h < H + Hkv; h++) {
+            uint16_t *head = row + h * D;
+            const uint16_t *norm = h < H ? w->q_norm : w->k_norm;
+            if (norm) rms_norm(head, norm, D, w->eps, head);
+            rope(head, cos + t * (D / 2), sin + t * (D / 2), D);
+        }
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t at = ((row_of[t] * Hkv + h) * cache_slots + slot_of[t]) * D;
+            memcpy(keys + at, row + (H + h) * D, sizeof(uint16_t) * D);
+            memcpy(values + at, row + (H + Hkv + h) * D, sizeof(uint16_t) * D);
+        }
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t job = 0; job < n * H; job++) {
+        const int64_t t = job / H, h = job % H, kv = h / group;
+        const int64_t base = (row_of[t] * Hkv + kv) * cache_slots * D;
+        float *own_scores = scores;
+#ifdef _OPENMP
+        own_scores += (size_t)omp_get_thread_num() * (size_t)(span + 1);
+#endif
+        attend(qkv + t * qkv_width + h * D, keys + base, values + base, D, mask ? mask + t * span : NULL, span,
+               own_scores, attn + t * H * D + h * D);
+    }
+    if (saguaro_group_matmul(w->o_bits, w->o, attn, narrow, n, H * D, hidden, 0, threads)) goto done;
+    for (int64_t i = 0; i < n * hidden; i++) x[i] = to_bf16(from_bf16(x[i]) + from_bf16(narrow[i]));
+
+    for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->post_norm, hidden, w->eps, normed + t * hidden);
+    if (saguaro_group_matmul(w->gate_up_bits, w->gate_up, normed, wide, n, hidden, 2 * inter, 0, threads)) goto done;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < inter; i++) {
+            const float gate = from_bf16(wide[t * 2 * inter + i]), up = from_bf16(wide[t * 2 * inter + inter + i]);
+            narrow[t * inter + i] = to_bf16(round_bf16(gate / (1.0f + expf(-gate))) * up);
+        }
+    if (saguaro_group_matmul(w->down_bits, w->down, narrow, normed, n, inter, hidden, 0, threads)) goto done;
+    for (int64_t i = 0; i < n * hidden; i++) x[i] = to_bf16(from_bf16(x[i]) + from_bf16(normed[i]));
+    status = 0;
+done:
+    free(normed);
+    free(qkv);
+    free(attn);
+    free(wide);
+    free(narrow);
+    free(scores);
+    return status;
+}

@@ -1,0 +1,163 @@
+/* Products of bf16 activations with weights held as 4- or 8-bit codes in groups of 32 inputs,
+ * computed as llama.cpp computes them: activations rounded to 8 bits per group, integer dot
+ * products (AVX512-VNNI), one fp32 scale per group.
+ *
+ * Weights: w[o, i] = code[o, i] * scale[o, g] + low[o, g] for input i of group g, scale and low
+ * in fp16 (as GGUF stores them). Activations: x[i] ~ d * q[i] with d = max|x| / 127 over the
+ * group and q = round(x / d) in -127..127. Each group then adds
+ *     scale * d * sum(code * q) + low * d * sum(q)
+ * to an fp32 sum, the integer sums being exact. Sixteen outputs are computed together, one per
+ * lane. Each row of activations is computed alone, by the same instructions in the same order,
+ * however many rows share the call and however many threads split the outputs: the products
+ * are batch-invariant.
+ *
+ * A tile is 16 outputs x 32 inputs, stored as one record (packing: saguaro/models/native/__init__.py):
+ *  - 4-bit, 320 bytes: 4 chunks of 64 code bytes, where byte 4j + t of chunk u holds output j's
+ *    codes for inputs 4u + t (low nibble) and 16 + 4u + t (high nibble); 16 fp16 scales; 16 fp16 lows.
+ *  - 8-bit, 544 bytes: 8 chunks of 64 bytes, byte 4j + t of chunk k holding output j's code for
+ *    input 4k + t plus 128 (so unsigned); 16 fp16 scales (the low is zero).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE_OUT 16
+#define GROUP 32
+#define MAX_ROWS 4       /* rows sharing one pass over the codes */
+#define PREFETCH_TILES 8 /* how far ahead the codes are fetched while the current tile computes */
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+
+int saguaro_cpu_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+int64_t saguaro_tile_bytes(int bits) { return bits == 4 ? 320 : 544; }
+
+/* One row's group of activations, rounded to 8 bits. */
+typedef struct {
+    int8_t q[GROUP];
+    float d;      /* the scale: x ~ d * q */
+    float d_qsum; /* d * sum(q), what the group's low multiplies */
+    int32_t qsum;
+} QuantizedGroup;
+
+TARGET static inline __m512 bf16_to_ps(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+TARGET static void quantize_row(const uint16_t *x, int64_t groups, QuantizedGroup *out) {
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 a = bf16_to_ps(_mm256_loadu_si256((const __m256i *)(x + g * GROUP)));
+        __m512 b = bf16_to_ps(_mm256_loadu_si256((const __m256i *)(x + g * GROUP + 16)));
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)));  /* round to nearest even */
+        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)));
+        _mm_storeu_si128((__m128i *)out[g].q, _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(out[g].q + 16), _mm512_cvtsepi32_epi8(qb));
+        out[g].qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        out[g].d = d;
+        out[g].d_qsum = d * (float)out[g].qsum;
+    }
+}
+
+TARGET static inline __m512 halves(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+TARGET static inline __m512i quad_of(const int8_t *q) {
+    int32_t v;
+    memcpy(&v, q, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* R rows of quantized activations against one column of tiles (16 outputs): fp32 sums. */
+TARGET static inline __attribute__((always_inline)) void tile_column(
+        int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t groups, float *sums_out) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const int64_t tile_bytes = saguaro_tile_bytes(bits);
+    __m512 acc[MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *tile = tiles + g * tile_bytes;
+        for (int64_t line = 0; line < tile_bytes; line += 64)
+            _mm_prefetch((const char *)tile + PREFETCH_TILES * tile_bytes + line, _MM_HINT_T0);
+        __m512i dots[MAX_ROWS][2];  /* two chains; integer sums, so their order cannot matter */
+        for (int r = 0; r < R; r++) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
+        if (bits == 4) {
+            for (int u = 0; u < 4; u++) {
+                __m512i w = _mm512_loadu_si512((const void *)(tile + 64 * u));
+                __m512i first = _mm512_and_si512(w, nibble);
+                __m512i second = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *q = xq[r * groups + g].q;
+                    dots[r][0] = _mm512_dpbusd_epi32(dots[r][0], first, quad_of(q + 4 * u));
+                    dots[r][1] = _mm512_dpbusd_epi32(dots[r][1], second, quad_of(q + 16 + 4 * u));
+                }
+            }
+        } else {
+            for (int k = 0; k < 8; k++) {
+                __m512i w = _mm512_loadu_si512((const void *)(tile + 64 * k));
+                for (int r = 0; r < R; r++)
+                    dots[r][k & 1] = _mm512_dpbusd_epi32(dots[r][k & 1], w, quad_of(xq[r * groups + g].q + 4 * k));
+            }
+        }
+        const uint8_t *params = tile + (bits == 4 ? 256 : 512);
+        const __m512 scale = halves(params);
+        for (int r = 0; r < R; r++) {
+            const QuantizedGroup *x = xq + r * groups + g;
+            __m512i dot = _mm512_add_epi32(dots[r][0], dots[r][1]);
+            if (bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->qsum));  /* the codes' +128 */
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(x->d)), acc[r]);
+            if (bits == 4) acc[r] = _mm512_fmadd_ps(halves(params + 32), _mm512_set1_ps(x->d_qsum), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(sums_out + r * TILE_OUT, acc[r]);
+}
+
+/* fp32 -> bf16, rounded to nearest even (no NaNs arise here). */
+TARGET static inline __m256i ps_to_bf16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* out[rows, out_features] = x[rows, in_features] @ w.T, out in bf16 or fp32. Returns 0, or -1
+ * where memory ran out. */
+TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *x, void *out, int64_t rows,
+                                int64_t in_features, int64_t out_features, int out_fp32, int threads) {
+    const int64_t groups = in_features / GROUP, columns = out_features / TILE_OUT;
+    QuantizedGroup *xq = malloc(sizeof(QuantizedGroup) * (size_t)(rows * groups + 1));
+    if (!xq) return -1;
+    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in_features, groups, xq + r * groups);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t column = 0; column < columns; column++) {
+        const uint8_t *tiles_of_column = tiles + column * groups * saguaro_tile_bytes(bits);
+        for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+            const int R = rows - r0 < MAX_ROWS ? (int)(rows - r0) : MAX_ROWS;
+            const QuantizedGroup *xr = xq + r0 * groups;
+            float result[MAX_ROWS * TILE_OUT];
+            /* constant widths and row counts, so each case keeps its sums in registers */
+#define CASE(B, N) tile_column(B, N, tiles_of_column, xr, groups, result)
+            if (bits == 4) {
+                if (R == 4) CASE(4, 4); else if (R == 3) CASE(4, 3); else if (R == 2) CASE(4, 2); else CASE(4, 1);
+            } else {
+                if (R == 4) CASE(8, 4); else if (R == 3) CASE(8, 3); else if (R == 2) CASE(8, 2); else CASE(8, 1);
+            }
+#undef CASE
+            for (int r = 0; r < R; r++) {
+                const __m512 v = _mm512_loadu_ps(result + r * TILE_OUT);
+                const int64_t at = (r0 + r) * out_features + column * TILE_OUT;
+                if (out_fp32) _mm512_storeu_ps((float *)out + at, v);
+                else _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), ps_to_bf16(v));
+            }
+        }
+    }
+    free(xq);
+    return 0;
+}

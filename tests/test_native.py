@@ -1,0 +1,197 @@
+"""saguaro's CPU kernels (saguaro.models.native): the group products compute the arithmetic
+they document (8-bit activations per group of 32, integer dots, fp16 scales), each row alone;
+a whole decoder layer in C computes what the torch layers compute, honours masks and cache
+rows, and decodes batch-invariantly; without a compiler saguaro warns and runs torch's kernels."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import pytest
+import torch
+import transformers
+
+from saguaro.models import loader, native
+from saguaro.models.kv_cache import KVCache
+from saguaro.models.quantized import GROUP, GroupInt8Linear, Int4Linear
+from test_gguf import gguf_tensors, write_gguf
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason="saguaro's CPU kernels do not run here (no C compiler or no AVX512-VNNI)")
+
+
+def fp16_exact(values: torch.Tensor) -> torch.Tensor:
+    return values.half().float()
+
+
+def random_weights(out_features: int, in_features: int, bits: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    groups = in_features // GROUP
+    scales = fp16_exact(torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3)
+    if bits == 4:
+        codes = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8)
+        return codes, scales, fp16_exact(-torch.rand(out_features, groups, generator=gen) * 0.2)
+    return torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8), scales, None
+
+
+def kernel_arithmetic(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor | None):
+    """What group_matmul.c documents, in float64: x ~ d q per group (q = round(x * 127 / max|x|)),
+    then scale * d * sum(code q) + low * d * sum(q) per group."""
+    rows, out_features = x.shape[0], codes.shape[0]
+    groups = x.float().reshape(rows, -1, GROUP)
+    top = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.full_like(top, 127).div(top), 0)  # (127 / top would be 127 * (1 / top))
+    q = torch.round(groups * inverse).double()
+    d = (top / 127).double()[..., 0]
+    dots = torch.einsum("rgi,ogi->rog", q, codes.reshape(out_features, -1, GROUP).double())
+    out = torch.einsum("rog,og,rg->ro", dots, scales.double(), d)
+    if lows is not None:
+        out += torch.einsum("og,rg->ro", lows.double(), d * q.sum(-1))
+    return out
+
+
+def dequantized(codes, scales, lows) -> torch.Tensor:
+    groups = codes.reshape(codes.shape[0], -1, GROUP).double() * scales.double()[..., None]
+    if lows is not None:
+        groups += lows.double()[..., None]
+    return groups.reshape(codes.shape)
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((out.double() - reference).abs().max() / reference.abs().max()).item()
+
+
+def pack(bits, codes, scales, lows):
+    return native.pack4(codes, scales, lows) if bits == 4 else native.pack8(codes, scales)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (16, 32)], ids=str)
+def test_group_products_compute_the_documented_arithmetic(bits, shape):
+    codes, scales, lows = random_weights(*shape, bits)
+    x = torch.randn(7, shape[1]).bfloat16()
+    x[3] = 0  # a zero row: every group's scale is zero
+    out = native.group_matmul(bits, pack(bits, codes, scales, lows), x, shape[0], torch.float32)
+    assert relative_error(out, kernel_arithmetic(x, codes, scales, lows)) < 1e-5  # fp32 sums
+    # Against the unrounded activations: 8-bit activations cost about half a percent.
+    assert 1e-4 < relative_error(out, x.double() @ dequantized(codes, scales, lows).T) < 3e-2
+    # Control: the tiles in another order (the two halves of a group swapped) are caught.
+    swapped = codes.reshape(shape[0], -1, 2, GROUP // 2).flip(2).reshape(shape)
+    wrong = native.group_matmul(bits, pack(bits, swapped, scales, lows), x, shape[0], torch.float32)
+    assert relative_error(wrong, kernel_arithmetic(x, codes, scales, lows)) > 0.1
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(bits):
+    codes, scales, lows = random_weights(960, 576, bits)
+    tiles = pack(bits, codes, scales, lows)
+    x = torch.randn(300, 576).bfloat16()
+    alone = torch.cat([native.group_matmul(bits, tiles, x[i:i + 1], 960) for i in range(len(x))])
+    for rows in (2, 3, 4, 5, 6, 7, 9, 16, 33, 300):
+        assert torch.equal(native.group_matmul(bits, tiles, x[:rows], 960), alone[:rows]), f"{rows} rows"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(native.group_matmul(bits, tiles, x, 960), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+SIZE = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, initializer_range=0.05, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny_gguf(request, tmp_path_factory):
+    """A tiny model with Q4_0 projections and a Q8_0 embedding (tied head), and its config kind:
+    plain Llama, Qwen2 (qkv biases) and Qwen3 (q/k norms, head_dim 32)."""
+    torch.manual_seed(0)
+    config = {"llama": lambda: transformers.LlamaConfig(**SIZE, tie_word_embeddings=True),
+              "qwen2": lambda: transformers.Qwen2Config(**SIZE, tie_word_embeddings=True),
+              "qwen3": lambda: transformers.Qwen3Config(**SIZE, head_dim=32, tie_word_embeddings=True)}[request.param]()
+    source = transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    tensors = {}
+    for name, array in gguf_tensors(source, request.param).items():
+        if array.ndim == 2:
+            kind = gguf.GGMLQuantizationType.Q8_0 if name == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_0
+            tensors[name] = (gguf.quants.quantize(array, kind), kind)
+    path = tmp_path_factory.mktemp(request.param) / "tiny.gguf"
+    return write_gguf(path, source, request.param, f"{request.param} tiny", tensors=tensors)
+
+
+def load(path, monkeypatch=None, native_on: bool = True):
+    if not native_on:
+        monkeypatch.setattr(native, "available", lambda: False)
+    model = loader.load_model(path, torch.bfloat16)
+    if not native_on:
+        monkeypatch.undo()
+    return model
+
+
+def hidden_states(model, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    B, T = tokens.shape
+    cache = KVCache(model.config, B, T + 1, model.dtype)
+    positions = torch.arange(T).expand(B, T)
+    return model(tokens, positions, cache, mask=mask).float()
+
+
+def test_the_native_model_is_what_the_loader_builds(tiny_gguf, monkeypatch):
+    model = load(tiny_gguf)
+    assert model.native_layers is not None
+    assert isinstance(model.lm_head, GroupInt8Linear)
+    assert all(isinstance(m, Int4Linear) and m.native for n, m in model.named_modules() if n.endswith("_proj"))
+    plain = load(tiny_gguf, monkeypatch, native_on=False)
+    assert plain.native_layers is None and not isinstance(plain.lm_head, GroupInt8Linear)
+
+
+def test_native_layers_compute_what_the_torch_layers_compute(tiny_gguf, monkeypatch):
+    """Same weights; native rounds activations to 8 bits per group before each product, torch
+    multiplies bf16, so they agree to about a percent, not bit for bit."""
+    fast, plain = load(tiny_gguf), load(tiny_gguf, monkeypatch, native_on=False)
+    tokens = torch.randint(0, 96, (3, 24), generator=torch.Generator().manual_seed(0))
+    reference = hidden_states(plain, tokens)
+    assert relative_error(hidden_states(fast, tokens), reference) < 0.05
+    # A tree mask (each token sees the first 8 slots and itself) is honoured by both paths.
+    tree = torch.zeros(3, 24, 24, dtype=torch.bool)
+    tree[:, :, :8] = True
+    tree[:, torch.arange(24), torch.arange(24)] = True
+    tree = tree & torch.ones(24, 24, dtype=torch.bool).tril()
+    masked = hidden_states(plain, tokens, tree)
+    assert relative_error(hidden_states(fast, tokens, tree), masked) < 0.05
+    # Control: the mask matters, so a path that ignored it would fail the comparison above.
+    assert relative_error(masked, reference) > 0.2
+    # The head: Q8_0 codes in fast, dequantized bf16 in plain.
+    logits = fast.logits(hidden_states(fast, tokens).bfloat16())
+    assert relative_error(logits, plain.logits(hidden_states(fast, tokens).bfloat16())) < 0.03
+
+
+def test_native_decode_writes_and_reads_its_own_cache_rows(tiny_gguf):
+    """Token by token into cache rows 2 and 0 of a 3-row cache gives the rows' whole-prompt
+    results bit for bit (what batch invariance needs), and leaves row 1 untouched."""
+    model = load(tiny_gguf)
+    tokens = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(1))
+    whole = hidden_states(model, tokens)
+    cache = KVCache(model.config, 3, 11, model.dtype)
+    rows = torch.tensor([2, 0])
+    steps = [model(tokens[:, t:t + 1], torch.full((2, 1), t), cache, rows=rows).float() for t in range(10)]
+    assert torch.equal(torch.cat(steps, dim=1), whole)
+    assert not cache.keys[:, 1].any() and cache.keys[:, 2].any()
+
+
+def test_without_a_compiler_saguaro_warns_and_runs_torchs_kernels(tiny_gguf, tmp_path):
+    if tiny_gguf.parent.name.startswith(("qwen2", "qwen3")):
+        pytest.skip("one model is enough")
+    code = ("import warnings, torch; warnings.simplefilter('always')\n"
+            "from saguaro.models import loader\n"
+            f"model = loader.load_model({str(tiny_gguf)!r}, torch.bfloat16)\n"
+            "print('native', model.native_layers is not None)\n")
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), SAGUARO_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "native False" in result.stdout
+    assert "saguaro's CPU kernels are off" in result.stderr and "no C compiler" in result.stderr
+    env["CC"] = os.environ.get("CC", "cc")  # control: with the compiler, the same start runs native
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "native True" in result.stdout, result.stderr
