@@ -195,3 +195,34 @@ def test_without_a_compiler_saguaro_warns_and_runs_torchs_kernels(tiny_gguf, tmp
     env["CC"] = os.environ.get("CC", "cc")  # control: with the compiler, the same start runs native
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert "native True" in result.stdout, result.stderr
+
+
+def test_a_float_draft_runs_on_the_kernels_where_its_target_does(smollm2_path):
+    """The shipped bf16 draft follows the target's mode: under "auto" its projections become int4
+    groups and its head int8 groups (what a draft step reads drops to about a third); an fp32
+    target keeps its fp32 draft as it is."""
+    from saguaro.models import hub
+
+    target = loader.load_model(smollm2_path, torch.bfloat16)
+    draft = loader.load_draft(hub.DRAFTS_DIR / "smollm2", target)
+    assert target.quantization == draft.quantization == "auto" and draft.native_layers is not None
+    assert isinstance(draft.lm_head, GroupInt8Linear)
+    plain = loader.load_checkpoint(hub.DRAFTS_DIR / "smollm2", torch.bfloat16, embeddings=target.embed_tokens.weight)
+    tokens = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
+    fast = draft.head_logits(hidden_states(draft, tokens).bfloat16())
+    reference = plain.head_logits(hidden_states(plain, tokens).bfloat16())
+    # int4 weights and 8-bit activations: the same draft, roughly (random tokens, the worst case)
+    assert relative_error(fast, reference) < 0.3
+    assert (fast.argmax(-1) == reference.argmax(-1)).float().mean() > 0.7
+    fp32 = loader.load_draft(hub.DRAFTS_DIR / "smollm2", loader.load_model(smollm2_path, torch.float32))
+    assert fp32.native_layers is None and fp32.quantization == "none"
+
+
+def test_int8_groups_round_each_weight_to_its_groups_nearest_step():
+    from saguaro.models.quantized import GroupInt8
+
+    weight = torch.randn(64, 128)
+    groups = GroupInt8.from_float(weight)
+    step = groups.scales.repeat_interleave(GROUP, dim=1)
+    assert ((groups.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
+    assert int(groups.codes.abs().max()) == 127

@@ -159,6 +159,7 @@ class LlamaModel(nn.Module):
             self.register_buffer("head_token_ids", torch.zeros(config.head_vocab_size, dtype=torch.long))
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.native_layers = None  # saguaro.models.native.NativeLayers, where the loader attached them
+        self.quantization: str | None = None  # the mode the loader built it in (saguaro.models.quantized)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Whether each position's logits are bit-identical however many tokens and sequences

@@ -282,6 +282,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupInt
     if config.tie_word_embeddings and "lm_head" not in quantized:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config)
+    model.quantization = mode
     return frozen(model.to(device))
 
 
@@ -351,8 +352,9 @@ def save_checkpoint(model: LlamaModel, folder: str | Path, dtype: torch.dtype = 
 
 def load_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu",
-                    embeddings: torch.Tensor | None = None) -> LlamaModel:
-    """A saguaro checkpoint; `embeddings` supplies the table when the checkpoint omits it."""
+                    embeddings: torch.Tensor | None = None, quantization: str | None = None) -> LlamaModel:
+    """A saguaro checkpoint; `embeddings` supplies the table when the checkpoint omits it. With
+    `quantization`, its projections are quantized as `quantize_checkpoint` says."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -373,16 +375,43 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32,
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config)
-    return frozen(model.to(device))
+    model = model.to(device)
+    if quantization is not None:
+        model.quantization = check_mode(quantization, dtype, torch.device(device))
+        quantize_checkpoint(model, model.quantization)
+    return frozen(model)
+
+
+def quantize_checkpoint(model: LlamaModel, mode: str) -> None:
+    """Quantizes a float checkpoint's projections in place: "int8" / "int4" as build_model does;
+    "auto", where saguaro's kernels run, int4 groups and an int8-group head (a draft's
+    precision decides only how often its proposals are accepted, never what is sampled, and a
+    draft step reads about a third of bf16's bytes so). EAGLE drafts stay as they are."""
+    if mode == "none" or (mode == "auto" and (not native.available() or model.reads_features)):
+        return
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            linear = getattr(parent, name)
+            weight = linear.weight.detach()
+            quantized = quantized_linear(GroupInt4.from_float(weight) if mode == "auto" else weight,
+                                         linear.bias, mode, model.dtype)
+            if quantized is not None:
+                setattr(parent, name, quantized)
+    head = model.lm_head.weight.detach()
+    if mode == "auto" and not model.config.tie_word_embeddings and native.fits(*head.shape):
+        model.lm_head = quantized_linear(GroupInt8.from_float(head), None, mode, model.dtype, torch.float32)
 
 
 def load_draft(path: str | Path, target: LlamaModel, dtype: torch.dtype | None = None,
                device: str | torch.device | None = None) -> LlamaModel:
     """A draft for `target`: a saguaro checkpoint (embeddings borrowed from the target when the
-    draft omits them) or any other checkpoint load_model reads. Vocabularies must match."""
+    draft omits them) or any other checkpoint load_model reads. Vocabularies must match. It is
+    quantized as the target was (`quantize_checkpoint`), where it runs in the target's dtype."""
     dtype, device = dtype or target.dtype, device or target.device
+    quantization = target.quantization if dtype == target.dtype else None
     if not is_saguaro_checkpoint(path):
-        draft = load_model(path, dtype, device)
+        draft = load_model(path, dtype, device, quantization)
         _check_vocab(draft.config, target.config, path)
         return draft
     config = ModelConfig.load(Path(path) / "config.json")
@@ -392,7 +421,7 @@ def load_draft(path: str | Path, target: LlamaModel, dtype: torch.dtype | None =
         raise IncompatibleDraftError(
             f"draft {path} borrows the target's embeddings but its width {config.hidden_size} "
             f"differs from the target's {target.config.hidden_size}")
-    return load_checkpoint(path, dtype, device, embeddings=embeddings)
+    return load_checkpoint(path, dtype, device, embeddings=embeddings, quantization=quantization)
 
 
 def _check_vocab(draft: ModelConfig, target: ModelConfig, path) -> None:

@@ -77,6 +77,14 @@ class GroupInt8:
     def rows(self, index: torch.Tensor) -> GroupInt8:
         return GroupInt8(self.codes[index], self.scales[index])
 
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> GroupInt8:
+        """Each group's largest magnitude as 127 steps (round to nearest), as Q8_0 does."""
+        groups = weight.float().reshape(weight.shape[0], -1, GROUP)
+        scales = (groups.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        codes = (groups / scales[..., None]).round_().clamp_(-127, 127)
+        return cls(codes.to(torch.int8).reshape(weight.shape), scales)
+
     @staticmethod
     def cat(parts: list[GroupInt8]) -> GroupInt8:
         return GroupInt8(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales")))

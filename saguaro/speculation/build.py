@@ -52,7 +52,7 @@ def ssd_decoder(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: s
     budget of the target's prefix cache, and of the draft's."""
     fan_out, plan = fan_out_plan(spec)
     config = WorkerConfig(replace(spec, draft=str(path), fan_out=fan_out), str(target.dtype).removeprefix("torch."),
-                          cpus, prefix_cache_mb)
+                          cpus, prefix_cache_mb, target.quantization)
     client = DraftClient(config, target.embed_tokens.weight.detach().cpu(), str(target.device))
     if client.ready.vocab_size != target.config.vocab_size:
         client.close()

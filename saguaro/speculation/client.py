@@ -32,6 +32,7 @@ class WorkerConfig:
     dtype: str
     cpus: str | None = None  # cores to pin a local CPU worker to
     prefix_cache_mb: float = 0.0  # the draft's prefix cache (0: none)
+    quantization: str | None = None  # the target's mode, which a float draft follows (loader.load_draft)
     # How long the worker may stay silent before it counts as gone (then it is replaced):
     timeout_s: float = 60.0  # until MEASURED_ROUNDS replies are measured (loading, warm-up)
     min_timeout_s: float = 1.0  # afterwards timeout_rounds typical rounds, never less than this,
@@ -101,8 +102,8 @@ class DraftClient:
         self.unseen_tokens = 0  # prompt tokens sent since the last reply: prefill work the worker has
         try:
             self.channel.connect()
-            self.channel.send(Hello(config.speculative, config.dtype, embeddings, incarnation, config.prefix_cache_mb),
-                              config.startup_timeout_s)
+            self.channel.send(Hello(config.speculative, config.dtype, embeddings, incarnation, config.prefix_cache_mb,
+                                    config.quantization), config.startup_timeout_s)
             self.ready: Ready = self.channel.recv(timeout_s=config.startup_timeout_s)
         except Exception:
             self.abandon()

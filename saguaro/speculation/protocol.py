@@ -35,6 +35,7 @@ class Hello:
     embeddings: torch.Tensor | None  # the target's table, for drafts that borrow it
     incarnation: int = 0  # workers started before this one for the same engine (restarts)
     prefix_cache_mb: float = 0.0  # the draft's prefix cache (0: none)
+    quantization: str | None = None  # the target's mode, which a float draft follows (loader.load_draft)
 
 
 @dataclass

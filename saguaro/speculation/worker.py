@@ -22,8 +22,8 @@ from saguaro.speculation.speculator import Speculator
 def load_draft_model(hello: Hello, device: str):
     dtype, path = resolve_dtype(hello.dtype), hello.speculative.draft
     if is_saguaro_checkpoint(path):
-        return load_checkpoint(path, dtype, device, embeddings=hello.embeddings)
-    return load_model(path, dtype, device)
+        return load_checkpoint(path, dtype, device, embeddings=hello.embeddings, quantization=hello.quantization)
+    return load_model(path, dtype, device, hello.quantization)
 
 
 class DraftServer:

@@ -44,10 +44,37 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even; no NaNs ari
     return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-static inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
-
 TARGET static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* fp32 -> the nearest bf16 (ties to even), as 16 bf16 words or back in fp32. */
+TARGET static inline __m512i round_bf16_bits(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
+}
+
+TARGET static inline __m512 round_bf16_ps(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16_bits(v), 16));
+}
+
+/* e^x to about an ulp: 2^n e^f with n = round(x log2 e), f = x - n ln 2 (ln 2 in two parts, so
+ * |f| <= ln 2 / 2 exactly enough), e^f by its Taylor series to f^6 (error < f^7 / 5040 < 2e-7). */
+TARGET static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* out = bf16(x * rsqrt(mean(x^2) + eps) * weight), in fp32 (as torch's fused rms_norm). */
@@ -84,18 +111,29 @@ TARGET static void attend(const uint16_t *q, const uint16_t *keys, const uint16_
     }
     float top = -INFINITY;
     for (int64_t j = 0; j < span; j++) {
-        if (mask && !mask[j]) continue;
+        if (mask && !mask[j]) {
+            scores[j] = -INFINITY;
+            continue;
+        }
         __m512 dot = _mm512_mul_ps(qv[0], load_bf16(keys + j * head_dim));
         for (int64_t l = 1; l < lanes; l++) dot = _mm512_fmadd_ps(qv[l], load_bf16(keys + j * head_dim + 16 * l), dot);
         scores[j] = _mm512_reduce_add_ps(dot) * scale;
         if (scores[j] > top) top = scores[j];
     }
-    float total = 0.0f;
+    /* weights e^(s - top), 16 slots at a time; masked slots weigh exactly zero */
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < span; j += 16) {
+        const __mmask16 live = span - j >= 16 ? 0xFFFF : (__mmask16)((1u << (span - j)) - 1);
+        const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, scores + j);
+        const __mmask16 visible = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m512 p = _mm512_maskz_mov_ps(visible, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+        _mm512_mask_storeu_ps(scores + j, live, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    const float total = _mm512_reduce_add_ps(sum);
     for (int64_t j = 0; j < span; j++) {
-        if (mask && !mask[j]) continue;
-        const float p = expf(scores[j] - top);
-        total += p;
-        const __m512 pv = _mm512_set1_ps(p);
+        if (scores[j] == 0.0f) continue;  /* masked (or vanishingly small: adds nothing either way) */
+        const __m512 pv = _mm512_set1_ps(scores[j]);
         for (int64_t l = 0; l < lanes; l++) acc[l] = _mm512_fmadd_ps(pv, load_bf16(values + j * head_dim + 16 * l), acc[l]);
     }
     float result[16];
@@ -114,13 +152,13 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
                           const int64_t *slot_of, const uint8_t *mask, int64_t span, int threads) {
     const int64_t H = w->heads, Hkv = w->kv_heads, D = w->head_dim, hidden = w->hidden, inter = w->intermediate;
     const int64_t qkv_width = (H + 2 * Hkv) * D, group = H / Hkv;
-    if (D > MAX_HEAD_DIM || D % 16) return -2;
+    if (D > MAX_HEAD_DIM || D % 16 || inter % 16) return -2;
     uint16_t *normed = malloc(sizeof(uint16_t) * n * (hidden > H * D ? hidden : H * D));
     uint16_t *qkv = malloc(sizeof(uint16_t) * n * qkv_width);
     uint16_t *attn = malloc(sizeof(uint16_t) * n * H * D);
     uint16_t *wide = malloc(sizeof(uint16_t) * n * 2 * inter);
     uint16_t *narrow = malloc(sizeof(uint16_t) * n * (hidden > inter ? hidden : inter));
-    float *scores = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * (size_t)(span + 1));
+    float *scores = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * (size_t)(span + 16));
     int status = -1;
     if (!normed || !qkv || !attn || !wide || !narrow || !scores) goto done;
 
@@ -148,7 +186,7 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
         const int64_t base = (row_of[t] * Hkv + kv) * cache_slots * D;
         float *own_scores = scores;
 #ifdef _OPENMP
-        own_scores += (size_t)omp_get_thread_num() * (size_t)(span + 1);
+        own_scores += (size_t)omp_get_thread_num() * (size_t)(span + 16);
 #endif
         attend(qkv + t * qkv_width + h * D, keys + base, values + base, D, mask ? mask + t * span : NULL, span,
                own_scores, attn + t * H * D + h * D);
@@ -158,10 +196,12 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
 
     for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->post_norm, hidden, w->eps, normed + t * hidden);
     if (saguaro_group_matmul(w->gate_up_bits, w->gate_up, normed, wide, n, hidden, 2 * inter, 0, threads)) goto done;
-    for (int64_t t = 0; t < n; t++)
-        for (int64_t i = 0; i < inter; i++) {
-            const float gate = from_bf16(wide[t * 2 * inter + i]), up = from_bf16(wide[t * 2 * inter + inter + i]);
-            narrow[t * inter + i] = to_bf16(round_bf16(gate / (1.0f + expf(-gate))) * up);
+    for (int64_t t = 0; t < n; t++)  /* bf16(bf16(silu(gate)) * up), as torch rounds it */
+        for (int64_t i = 0; i < inter; i += 16) {
+            const __m512 gate = load_bf16(wide + t * 2 * inter + i), up = load_bf16(wide + t * 2 * inter + inter + i);
+            const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+            _mm256_storeu_si256((__m256i *)(narrow + t * inter + i),
+                                _mm512_cvtepi32_epi16(round_bf16_bits(_mm512_mul_ps(round_bf16_ps(silu), up))));
         }
     if (saguaro_group_matmul(w->down_bits, w->down, narrow, normed, n, inter, hidden, 0, threads)) goto done;
     for (int64_t i = 0; i < n * hidden; i++) x[i] = to_bf16(from_bf16(x[i]) + from_bf16(normed[i]));

@@ -24,7 +24,7 @@
 
 #define TILE_OUT 16
 #define GROUP 32
-#define MAX_ROWS 4       /* rows sharing one pass over the codes */
+#define MAX_ROWS 8       /* rows sharing one pass over the codes (a verification of K + 1 <= 8 tokens: one) */
 #define PREFETCH_TILES 8 /* how far ahead the codes are fetched while the current tile computes */
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
@@ -86,7 +86,10 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         const uint8_t *tile = tiles + g * tile_bytes;
         for (int64_t line = 0; line < tile_bytes; line += 64)
             _mm_prefetch((const char *)tile + PREFETCH_TILES * tile_bytes + line, _MM_HINT_T0);
-        __m512i dots[MAX_ROWS][2];  /* two chains; integer sums, so their order cannot matter */
+        /* Integer sums, exact in any order: two chains per row where few rows leave the
+         * multiplier idle, one where eight rows would run out of registers. */
+        const int second_chain = R <= 4;
+        __m512i dots[MAX_ROWS][2];
         for (int r = 0; r < R; r++) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
         if (bits == 4) {
             for (int u = 0; u < 4; u++) {
@@ -96,21 +99,22 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                 for (int r = 0; r < R; r++) {
                     const int8_t *q = xq[r * groups + g].q;
                     dots[r][0] = _mm512_dpbusd_epi32(dots[r][0], first, quad_of(q + 4 * u));
-                    dots[r][1] = _mm512_dpbusd_epi32(dots[r][1], second, quad_of(q + 16 + 4 * u));
+                    dots[r][second_chain] = _mm512_dpbusd_epi32(dots[r][second_chain], second, quad_of(q + 16 + 4 * u));
                 }
             }
         } else {
             for (int k = 0; k < 8; k++) {
                 __m512i w = _mm512_loadu_si512((const void *)(tile + 64 * k));
                 for (int r = 0; r < R; r++)
-                    dots[r][k & 1] = _mm512_dpbusd_epi32(dots[r][k & 1], w, quad_of(xq[r * groups + g].q + 4 * k));
+                    dots[r][k & second_chain] = _mm512_dpbusd_epi32(dots[r][k & second_chain], w,
+                                                                    quad_of(xq[r * groups + g].q + 4 * k));
             }
         }
         const uint8_t *params = tile + (bits == 4 ? 256 : 512);
         const __m512 scale = halves(params);
         for (int r = 0; r < R; r++) {
             const QuantizedGroup *x = xq + r * groups + g;
-            __m512i dot = _mm512_add_epi32(dots[r][0], dots[r][1]);
+            __m512i dot = second_chain ? _mm512_add_epi32(dots[r][0], dots[r][1]) : dots[r][0];
             if (bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->qsum));  /* the codes' +128 */
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(x->d)), acc[r]);
             if (bits == 4) acc[r] = _mm512_fmadd_ps(halves(params + 32), _mm512_set1_ps(x->d_qsum), acc[r]);
@@ -144,10 +148,23 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
             float result[MAX_ROWS * TILE_OUT];
             /* constant widths and row counts, so each case keeps its sums in registers */
 #define CASE(B, N) tile_column(B, N, tiles_of_column, xr, groups, result)
-            if (bits == 4) {
-                if (R == 4) CASE(4, 4); else if (R == 3) CASE(4, 3); else if (R == 2) CASE(4, 2); else CASE(4, 1);
-            } else {
-                if (R == 4) CASE(8, 4); else if (R == 3) CASE(8, 3); else if (R == 2) CASE(8, 2); else CASE(8, 1);
+            switch (bits * 16 + R) {
+                case 4 * 16 + 8: CASE(4, 8); break;
+                case 4 * 16 + 7: CASE(4, 7); break;
+                case 4 * 16 + 6: CASE(4, 6); break;
+                case 4 * 16 + 5: CASE(4, 5); break;
+                case 4 * 16 + 4: CASE(4, 4); break;
+                case 4 * 16 + 3: CASE(4, 3); break;
+                case 4 * 16 + 2: CASE(4, 2); break;
+                case 4 * 16 + 1: CASE(4, 1); break;
+                case 8 * 16 + 8: CASE(8, 8); break;
+                case 8 * 16 + 7: CASE(8, 7); break;
+                case 8 * 16 + 6: CASE(8, 6); break;
+                case 8 * 16 + 5: CASE(8, 5); break;
+                case 8 * 16 + 4: CASE(8, 4); break;
+                case 8 * 16 + 3: CASE(8, 3); break;
+                case 8 * 16 + 2: CASE(8, 2); break;
+                default: CASE(8, 1); break;
             }
 #undef CASE
             for (int r = 0; r < R; r++) {
