@@ -17,9 +17,7 @@ from saguaro.models.hub import cache_dir
 from saguaro.models import native
 from saguaro.models.llama import LlamaModel, rope_inv_freq
 from saguaro.models.packed import pack_linears
-from saguaro.models.quantized import GROUP, GroupInt4, GroupInt8, check_mode, quantized_linear
-
-Grouped = (GroupInt4, GroupInt8)
+from saguaro.models.quantized import GROUP, GroupCodes, GroupInt4, GroupInt8, check_mode, quantized_linear
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -184,7 +182,7 @@ def _unpermute_rope(weight: torch.Tensor | GroupInt4 | GroupInt8, n_head: int) -
     """Undoes llama.cpp's reordering of q/k rows (interleaved rope) back to rotate-half order."""
     rows = weight.shape[0]
     order = torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
-    return weight.rows(order) if isinstance(weight, Grouped) else weight[order]
+    return weight.rows(order) if isinstance(weight, GroupCodes) else weight[order]
 
 
 def gguf_tensor_name(gguf_name: str) -> str | None:
@@ -247,10 +245,10 @@ def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dic
 
 def _cat(parts: list) -> torch.Tensor | GroupInt4 | GroupInt8:
     """Stacks projections' rows, keeping their codes only where every part has the same kind."""
-    for kind in Grouped:
+    for kind in (GroupInt4, GroupInt8):
         if all(isinstance(p, kind) for p in parts):
             return kind.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, Grouped) else p for p in parts])
+    return torch.cat([p.dequantize() if isinstance(p, GroupCodes) else p for p in parts])
 
 
 def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupInt4 | GroupInt8], dtype: torch.dtype,
@@ -273,7 +271,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupInt
             quantized[module] = layer
             del state[name]
             state.pop(f"{module}.bias", None)
-    state = {k: (v.dequantize() if isinstance(v, Grouped) else v).to(dtype) for k, v in state.items()}
+    state = {k: (v.dequantize() if isinstance(v, GroupCodes) else v).to(dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - {f"{m}.{kind}" for m in quantized for kind in ("weight", "bias")}:
         raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")

@@ -16,7 +16,7 @@ torch's int4 kernel.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -27,55 +27,31 @@ MODES = ("auto", "none", "int8", "int4")
 
 
 @dataclass
-class GroupInt4:
-    """Weights [out, in] as codes 0..15 with a scale and a low value per group of GROUP inputs."""
-    codes: torch.Tensor  # [out, in] uint8
+class GroupCodes:
+    """Weights [out, in] as integer codes with a scale (and, for GroupInt4, a low value) per
+    group of GROUP inputs."""
+    codes: torch.Tensor  # [out, in]
     scales: torch.Tensor  # [out, in / GROUP] fp32
-    lows: torch.Tensor  # [out, in / GROUP] fp32
 
     @property
     def shape(self) -> torch.Size:
         return self.codes.shape
 
     def dequantize(self) -> torch.Tensor:
-        out_features, in_features = self.codes.shape
-        groups = self.codes.reshape(out_features, -1, GROUP).float()
-        return (groups * self.scales[..., None] + self.lows[..., None]).reshape(out_features, in_features)
+        out_features = self.codes.shape[0]
+        return (self.codes.reshape(out_features, -1, GROUP).float() * self.scales[..., None]).reshape(self.shape)
 
-    def rows(self, index: torch.Tensor) -> GroupInt4:
-        return GroupInt4(self.codes[index], self.scales[index], self.lows[index])
-
-    @staticmethod
-    def cat(parts: list[GroupInt4]) -> GroupInt4:
-        return GroupInt4(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "lows")))
+    def rows(self, index: torch.Tensor):
+        return type(self)(*(getattr(self, f.name)[index] for f in fields(self)))
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor) -> GroupInt4:
-        """Each group's range split into 15 equal steps (round to nearest)."""
-        groups = weight.float().reshape(weight.shape[0], -1, GROUP)
-        lows, highs = groups.amin(-1), groups.amax(-1)
-        scales = ((highs - lows) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-        codes = ((groups - lows[..., None]) / scales[..., None]).round_().clamp_(0, 15)
-        return cls(codes.to(torch.uint8).reshape(weight.shape), scales, lows)
+    def cat(cls, parts: list):
+        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))
 
 
 @dataclass
-class GroupInt8:
-    """Weights [out, in] as codes -128..127 with a scale per group of GROUP inputs (Q8_0)."""
-    codes: torch.Tensor  # [out, in] int8
-    scales: torch.Tensor  # [out, in / GROUP] fp32
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
-
-    def dequantize(self) -> torch.Tensor:
-        out_features, in_features = self.codes.shape
-        groups = self.codes.reshape(out_features, -1, GROUP).float()
-        return (groups * self.scales[..., None]).reshape(out_features, in_features)
-
-    def rows(self, index: torch.Tensor) -> GroupInt8:
-        return GroupInt8(self.codes[index], self.scales[index])
+class GroupInt8(GroupCodes):
+    """Codes -128..127 (int8), w = code * scale: Q8_0."""
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> GroupInt8:
@@ -85,9 +61,23 @@ class GroupInt8:
         codes = (groups / scales[..., None]).round_().clamp_(-127, 127)
         return cls(codes.to(torch.int8).reshape(weight.shape), scales)
 
-    @staticmethod
-    def cat(parts: list[GroupInt8]) -> GroupInt8:
-        return GroupInt8(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales")))
+
+@dataclass
+class GroupInt4(GroupCodes):
+    """Codes 0..15 (uint8), w = code * scale + low: Q4_0, Q4_1, Q4_K."""
+    lows: torch.Tensor  # [out, in / GROUP] fp32
+
+    def dequantize(self) -> torch.Tensor:
+        return super().dequantize() + self.lows.repeat_interleave(GROUP, dim=1)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> GroupInt4:
+        """Each group's range split into 15 equal steps (round to nearest)."""
+        groups = weight.float().reshape(weight.shape[0], -1, GROUP)
+        lows, highs = groups.amin(-1), groups.amax(-1)
+        scales = ((highs - lows) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        codes = ((groups - lows[..., None]) / scales[..., None]).round_().clamp_(0, 15)
+        return cls(codes.to(torch.uint8).reshape(weight.shape), scales, lows)
 
 
 def fits_int4(out_features: int, in_features: int) -> bool:
