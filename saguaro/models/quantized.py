@@ -106,8 +106,9 @@ class QuantizedLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """[out, in]: the kernel applied to the identity, so exactly the weights it multiplies by."""
-        return self.matmul(torch.eye(self.in_features, dtype=self.compute_dtype)).T.contiguous()
+        """[out, in] in the compute dtype: the kernel applied to the identity, so exactly the weights
+        it multiplies by."""
+        return self.matmul(torch.eye(self.in_features, dtype=self.compute_dtype)).T.to(self.compute_dtype).contiguous()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
