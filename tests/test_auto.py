@@ -22,7 +22,7 @@ from saguaro.models.loader import save_checkpoint
 from saguaro.speculation.auto import (SSD, SSD_MIN_ROUNDS, AutoDecoder, Controller, CoreShare, RowCosts,
                                      batch_bucket)
 from saguaro.speculation.build import sd_drafter
-from saguaro.speculation.client import usable_cores
+from saguaro.speculation.client import usable_cores, use_cores
 from saguaro.speculation.ssd import SSDDecoder
 from stats import ks_pvalue, teacher_forced_pit
 from test_exactness import (ALPHA, TINY_K, TINY_V, draft, residual_is_p, sampled, target, tiny_outputs,  # noqa: F401
@@ -192,6 +192,31 @@ def test_the_drafter_runs_a_prompt_only_before_its_first_sd_round(target, draft)
     decoder.drafter.prefill = lambda seqs: (drafted.append([s.seq_id for s in seqs]), prefill(seqs))
     tiny_outputs(decoder, sampled(0.0, rows=3))
     assert drafted == [[0, 1, 2]]  # once, at the third round
+
+
+def test_a_loading_worker_keeps_the_target_off_its_core_and_its_rounds_are_forgotten(target, draft):
+    """While SSD's worker starts on one of the target's cores, the target runs on the others
+    (its threads would each wait for the one sharing that core), and the costs measured
+    meanwhile are dropped once the start ends: they say little about later rounds."""
+    everything = CoreShare.of(None).all
+    if everything[1] < 2:
+        pytest.skip("one thread: the worker shares nothing")
+    starting = Future()
+    try:
+        decoder = AutoDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=TINY_K, prompt_lookup=0)),
+                              starting, CoreShare(everything, (everything[0], 1)))
+        assert torch.get_num_threads() == 1
+        tiny_outputs(decoder, sampled(0.0, rows=2))  # rounds while the worker loads
+        assert decoder.controller.measured and decoder.controller.target(1) is not None
+        assert torch.get_num_threads() == 1
+        starting.set_exception(RuntimeError("no worker here"))  # the start ends (here: it failed)
+        with pytest.warns(RuntimeWarning, match="without SSD"):
+            decoder._adopt_ssd()
+        assert torch.get_num_threads() == everything[1]
+        assert not decoder.controller.measured and decoder.controller.target(1) is None
+        assert sum(decoder.controller.tried) > 0  # the acceptance measured meanwhile is kept
+    finally:
+        use_cores(*everything)
 
 
 def test_ssd_stints_hand_the_worker_what_it_lacks_and_give_the_cores_back(target, draft, draft_dir):
