@@ -94,14 +94,13 @@ def main() -> None:
     prompts = [p for pair in zip(code, chat) for p in pair] + code[len(chat):]
     context = max(len(p) for p in prompts) + args.new_tokens + 8
     llama = peers.load_llamacpp(path, args.threads, context)
+    import llama_cpp  # present once load_llamacpp succeeded (an optional extra)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
 
     rates = {name: [] for name in [*engines, "llama.cpp", "llama.cpp eval"]}
     for prompt in [prompts[0]] + prompts:  # the first round warms every engine up and is dropped
         for name, llm in engines.items():
             rates[name].append(llm.generate(prompt, params, use_tqdm=False)[0].metrics.decode_tokens_per_s)
-        import llama_cpp
-
         llama_cpp.llama_perf_context_reset(llama.ctx)
         rates["llama.cpp"].append(peers.generate_llamacpp(llama, [prompt], params)[0]["decode_tokens_per_s"])
         perf = llama_cpp.llama_perf_context(llama.ctx)

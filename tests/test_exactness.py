@@ -17,6 +17,7 @@ from saguaro.engine import decoders
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.verify import verify, verify_greedy
+from saguaro.models import native
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel
 from saguaro.models.quantized import quantized_linear
@@ -198,7 +199,8 @@ def tiny_model(seed: int, layers: int, head_token_ids: list[int] | None = None, 
 
 def int4_pair() -> tuple[LlamaModel, LlamaModel]:
     """A target whose projections run as int4 in bf16 (the default for a Q4 GGUF), wide enough
-    for torch's int4 kernel, and as draft its own dense fp32 weights with a sharpened head."""
+    for torch's int4 kernel, its layers in one C call each where saguaro's kernels run (as the
+    loader attaches them), and as draft its own dense fp32 weights with a sharpened head."""
     torch.manual_seed(12)
     config = ModelConfig(vocab_size=TINY_V, hidden_size=64, intermediate_size=64, num_layers=2,
                          num_heads=2, num_kv_heads=1, head_dim=32)
@@ -210,6 +212,8 @@ def int4_pair() -> tuple[LlamaModel, LlamaModel]:
     for name, module in list(target.named_modules()):
         if name.endswith("_proj"):
             target.set_submodule(name, quantized_linear(module.weight, None, "int4", torch.bfloat16))
+    native.attach(target)
+    assert (target.native_layers is not None) == native.available()
     dense.lm_head.weight.mul_(1.5)
     return target, dense
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from saguaro.models import native
 from saguaro.models.config import ModelConfig, UnsupportedModelError
 from saguaro.models.eagle import model_class
 from saguaro.models.gguf_file import GGUFFile, read_gguf_file
 from saguaro.models.hub import cache_dir
-from saguaro.models import native
 from saguaro.models.llama import LlamaModel, rope_inv_freq
 from saguaro.models.packed import pack_linears
 from saguaro.models.quantized import GROUP, GroupCodes, GroupInt4, GroupInt8, check_mode, quantized_linear
@@ -154,7 +154,7 @@ def gguf_groups(tensor) -> GroupInt4 | GroupInt8 | None:
     if kind == Q.Q8_0:  # 32 weights: fp16 d, 32 signed codes
         blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, 34)
         codes = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
-        return GroupInt8(torch.from_numpy(codes.reshape(out_features, in_features).copy()),
+        return GroupInt8(torch.from_numpy(codes.reshape(out_features, in_features)),
                          torch.from_numpy(_halves(blocks, 0).reshape(out_features, in_features // GROUP)))
     if kind not in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
         return None

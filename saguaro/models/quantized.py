@@ -1,12 +1,12 @@
 """Weight-only quantized projections for CPU decoding: int4 and int8 in groups of 32, int8 per channel.
 
-A decode step reads every weight once, so its cost is the bytes it streams. saguaro's own
-kernels (saguaro.models.native) read int4 and int8 groups at their GGUF density; torch ships
-kernels for int4 groups and per-channel int8. All compute in bf16 with fp32 sums; a step's
-projections read a quarter of bf16's bytes in int4. torch's fp16 and fp32 paths are scalar
-(measured here, one 1536 x 576 int4 product: 0.09 ms in bf16, 8.4 ms in fp16), so quantized
-layers run in bf16 only. The activations are not quantized (llama.cpp quantizes them to 8
-bits): only the weights change.
+A decode step reads every weight once, so its cost is the bytes it streams; a step's
+projections read a quarter of bf16's bytes in int4. saguaro's own kernels
+(saguaro.models.native) read int4 and int8 groups at their GGUF density and, as llama.cpp does,
+round the activations to 8 bits per group of 32 for integer dot products. torch ships kernels
+for int4 groups and per-channel int8 that keep bf16 activations; their fp16 and fp32 paths are
+scalar (measured here, one 1536 x 576 int4 product: 0.09 ms in bf16, 8.4 ms in fp16). Either
+way quantized layers run in bf16 only, with fp32 sums.
 
 int4 is held as llama.cpp's Q4_0 / Q4_1 / Q4_K hold it: a code 0..15 per weight and, per group
 of 32 weights along the input, a scale and an offset (w = code * scale + low), and int8 groups as
@@ -23,6 +23,7 @@ from torch import nn
 
 from saguaro.models import native
 from saguaro.models.native import GROUP
+
 MODES = ("auto", "none", "int8", "int4")
 
 

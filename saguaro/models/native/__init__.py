@@ -75,7 +75,7 @@ def library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_library_path()))
         if not lib.saguaro_cpu_supported():
-            raise NativeUnavailable("this CPU lacks AVX512-BF16")
+            raise NativeUnavailable("this CPU lacks AVX512-VNNI")
     except (NativeUnavailable, OSError) as error:
         warnings.warn(f"saguaro's CPU kernels are off ({error}); quantized layers run torch's kernels, "
                       "and a Q8_0 head runs dequantized to bf16 (slower)", stacklevel=2)
@@ -185,8 +185,10 @@ class NativeLayers:
                 ctypes.byref(weights), x.data_ptr(), B * T, cos.data_ptr(), sin.data_ptr(),
                 cache.keys.data_ptr() + i * layer_bytes, cache.values.data_ptr() + i * layer_bytes, cache.num_slots,
                 row_of.data_ptr(), slot_of.data_ptr(), None if visible is None else visible.data_ptr(), span, threads)
-            if status != 0:
-                raise MemoryError(f"saguaro_decoder_layer failed ({status})")
+            if status == -1:
+                raise MemoryError("saguaro_decoder_layer: out of memory")
+            if status != 0:  # attach() admits only the head sizes the layer takes
+                raise RuntimeError(f"saguaro_decoder_layer refused layer {i} ({status})")
         return x
 
 
