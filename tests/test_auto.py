@@ -20,7 +20,7 @@ from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.loader import save_checkpoint
 from saguaro.speculation.auto import (SSD, SSD_MIN_ROUNDS, AutoDecoder, Controller, CoreShare, RowCosts,
-                                     batch_bucket)
+                                     SSDLauncher, batch_bucket)
 from saguaro.speculation.build import sd_drafter
 from saguaro.speculation.client import usable_cores, use_cores
 from saguaro.speculation.ssd import SSDDecoder
@@ -32,7 +32,10 @@ from test_exactness import (ALPHA, TINY_K, TINY_V, draft, residual_is_p, sampled
 def test_row_costs_interpolate_between_measured_row_counts():
     costs = RowCosts()
     assert costs(4) is None
+    costs.add(2, 0.100)
+    assert costs(2) is None  # a warm-up: the first pass at a row count is not counted
     costs.add(2, 0.010)
+    costs.add(10, 0.300)
     costs.add(10, 0.030)
     assert costs(1) == 0.010  # never cheaper than the smallest measured pass
     assert costs(6) == pytest.approx(0.020)
@@ -40,8 +43,9 @@ def test_row_costs_interpolate_between_measured_row_counts():
 
 
 def measured(controller: Controller, batch: int, target_s, step_s: float, acceptance: float) -> None:
-    """Feeds the controller rounds as they would run: AR and every K at this batch size."""
-    for k in range(controller.max_k + 1):
+    """Feeds the controller rounds as they would run: AR and every K at this batch size, twice
+    (the first round of each is a warm-up)."""
+    for k in [k for k in range(controller.max_k + 1) for _ in range(2)]:
         accepted = int(acceptance * k)
         controller.record(batch, k, target_s(batch * (k + 1)), k * step_s, [accepted] * batch, batch * (accepted + 1))
 
@@ -70,9 +74,15 @@ def test_controller_keeps_its_choice_within_the_hysteresis():
 def test_controller_measures_ar_and_speculation_before_choosing():
     controller = Controller(max_k=4)
     assert controller.choose(3) == 0  # nothing measured: AR
+    controller.record(3, 0, 0.3, 0.0, [], 3)
+    assert controller.choose(3) == 0  # a first round is a warm-up: AR again
     controller.record(3, 0, 0.03, 0.0, [], 3)
     assert controller.choose(3) == 4  # then the most speculation, for the draft's cost
     assert controller.switches == 1
+    controller.record(3, 4, 0.5, 0.2, [4, 4, 4], 15)
+    assert controller.choose(3) == 4  # its cost is measured from its second round on
+    controller.record(3, 4, 0.05, 0.02, [0, 0, 0], 3)
+    assert controller.draft_step(3) == pytest.approx(0.005) and controller.target(15) == pytest.approx(0.05)
 
 
 def test_nearby_batch_sizes_share_measured_rates():
@@ -107,12 +117,37 @@ def test_controller_takes_ssd_where_its_measured_rate_beats_sd_on_all_cores():
 
 def test_controller_expects_no_gain_from_ssd_when_its_fill_outlasts_the_verification():
     controller = Controller(max_k=4, ssd_cores_ratio=2.0)
-    controller.record(16, 0, 0.050, 0.0, [], 16)
-    controller.record(16, 4, 0.200, 4 * 0.010, [2] * 16, 48)  # a draft step over 16 rows: 10 ms
-    controller.draft_step.add(16 * 16, 0.120)  # ... over 16 branches of 16 requests: 120 ms
+    for _ in range(2):  # a warm-up round, then a measured one
+        controller.record(16, 0, 0.050, 0.0, [], 16)
+        controller.record(16, 4, 0.200, 4 * 0.010, [2] * 16, 48)  # a draft step over 16 rows: 10 ms
+        controller.draft_step.add(16 * 16, 0.120)  # ... over 16 branches of 16 requests: 120 ms
     few, many = (dataclasses.replace(controller, ssd_branches=f) for f in (1, 16))
     assert many.predicted_rate(16, SSD) < few.predicted_rate(16, SSD) / 2
     assert many.choose(16) != SSD
+
+
+GEOMETRIC_08 = [0, 0, 1, 1, 2, 3, 4, 4, 4, 4]  # accepted lengths, P(>= i) = 0.8^i for i = 1..4
+
+
+def rounds_at_batch_1(controller: Controller, target_s, step_s: float, accepted_lens: list[int]) -> None:
+    """One batch-1 round per accepted length, for AR and every K."""
+    for k in range(controller.max_k + 1):
+        for n in accepted_lens:
+            controller.record(1, k, target_s(k + 1), k * step_s, [min(n, k)] if k else [], min(n, k) + 1)
+
+
+def test_a_worker_on_the_targets_cores_starts_only_once_ssd_is_predicted_to_pay():
+    flat = lambda rows: 0.030 + 0.0002 * rows  # noqa: E731
+    pays = Controller(max_k=4)  # a draft step at 1/4 of a pass, one branch per request
+    assert not pays.ssd_would_pay(1, cores_ratio=1.1)  # nothing measured yet
+    rounds_at_batch_1(pays, flat, 0.008, GEOMETRIC_08[:4])
+    assert sum(pays.tried) < 32 and not pays.ssd_would_pay(1, cores_ratio=1.1)  # the acceptance is unknown
+    rounds_at_batch_1(pays, flat, 0.008, GEOMETRIC_08)
+    assert pays.ssd_would_pay(1, cores_ratio=1.1)  # hides the draft at a 5% slower pass
+    assert not pays.ssd_would_pay(1, cores_ratio=4.0)  # the worker would take 3/4 of the target's cores
+    cheap = Controller(max_k=4)  # draft steps at 1/20 of a pass: SD on both cores wins
+    rounds_at_batch_1(cheap, flat, 0.0015, GEOMETRIC_08 * 2)
+    assert not cheap.ssd_would_pay(1, cores_ratio=2.0)
 
 
 def test_controller_offers_ssd_only_with_a_worker():
@@ -129,14 +164,19 @@ def test_core_share_gives_the_worker_its_core():
     assert 1 not in share.ssd[0] and share.ssd[1] >= 1 and share.ratio >= 1
 
 
+def ready(result) -> Future:
+    future = Future()
+    future.set_result(result)
+    return future
+
+
 def auto_decoder(target, draft, schedule, ssd: SSDDecoder | None = None, k: int = TINY_K) -> AutoDecoder:
     """An AutoDecoder whose choices follow `schedule` round after round (SSD from `ssd`)."""
-    ready = None
+    launcher = None
     if ssd is not None:
-        ready = Future()
-        ready.set_result(ssd)
+        launcher = SSDLauncher(lambda: ready(ssd), CoreShare.of(None), sum(ssd.fan_out))
     decoder = AutoDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k, prompt_lookup=0)),
-                          ready, CoreShare.of(None))
+                          launcher)
     choices = itertools.cycle(schedule)
     decoder.controller.choose = lambda batch: decoder.controller._pick(next(choices))
     return decoder
@@ -204,9 +244,14 @@ def test_a_loading_worker_keeps_the_target_off_its_core_and_its_rounds_are_forgo
     starting = Future()
     try:
         decoder = AutoDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=TINY_K, prompt_lookup=0)),
-                              starting, CoreShare(everything, (everything[0], 1)))
-        assert torch.get_num_threads() == 1
-        tiny_outputs(decoder, sampled(0.0, rows=2))  # rounds while the worker loads
+                              SSDLauncher(lambda: starting, CoreShare(everything, (everything[0], 1)), 8))
+        assert torch.get_num_threads() == everything[1]  # no worker yet: it starts when SSD would pay
+        decoder.wait_for_ssd(start=False)
+        assert decoder.ssd_starting is None
+        decoder.controller.ssd_would_pay = lambda batch, ratio: True
+        tiny_outputs(decoder, sampled(0.0, rows=2))  # its first round starts the worker
+        assert decoder.ssd_starting is starting and decoder.launcher is None
+        assert torch.get_num_threads() == 1  # the rounds after it ran while the worker loads
         assert decoder.controller.measured and decoder.controller.target(1) is not None
         assert torch.get_num_threads() == 1
         starting.set_exception(RuntimeError("no worker here"))  # the start ends (here: it failed)
@@ -249,7 +294,7 @@ def test_ssd_stints_hand_the_worker_what_it_lacks_and_give_the_cores_back(target
 def auto() -> LLM:
     """auto on the real model, with its SSD worker on the last core (where there are two)."""
     with LLM(hub.DEFAULT_MODEL, method="auto", dtype="float32") as llm:
-        llm.decoder.wait_for_ssd()
+        llm.decoder.wait_for_ssd(start=True)
         yield llm
 
 

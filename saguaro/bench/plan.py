@@ -53,7 +53,7 @@ def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, choice: 
 def plan(llm: LLM, prompts: list[list[int]], batch_sizes: list[int], params: SamplingParams) -> list[PlanRow]:
     if not isinstance(llm.decoder, AutoDecoder):
         raise ValueError("saguaro plan profiles method='auto' (it needs a draft)")
-    llm.decoder.wait_for_ssd()
+    llm.decoder.wait_for_ssd(start=True)
     controller = llm.decoder.controller
     rows = []
     for batch in batch_sizes:

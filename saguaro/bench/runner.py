@@ -112,7 +112,7 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
     ssd = auto_ssd(llm.target, spec, path) if "auto" in config.methods and not draft.reads_features else None
     decoders = {"ar": ARDecoder(llm.target) if "ar" in config.methods else None,
                 "sd": SDDecoder(llm.target, sd_drafter(draft, spec)) if "sd" in config.methods else None,
-                "auto": AutoDecoder(llm.target, sd_drafter(draft, spec), *(ssd or ())) if "auto" in config.methods
+                "auto": AutoDecoder(llm.target, sd_drafter(draft, spec), ssd) if "auto" in config.methods
                 else None,
                 "ssd": llm.decoder if "ssd" in config.methods else None}
     if ssd:
@@ -120,8 +120,8 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
     held = {name: cores["all"][1] for name in config.methods}
     if "ssd" in held:
         held["ssd"] = cores["ssd"][1] + (spec.draft_device == "cpu" and not spec.draft_address)
-    if ssd and ssd[1].all != ssd[1].ssd:
-        held["auto"] = max(held["auto"], ssd[1].ssd[1] + 1)
+    if ssd and not ssd.on_own_hardware:
+        held["auto"] = max(held["auto"], ssd.cores.ssd[1] + 1)
 
     def saguaro_engine(name: str, engine: Engine):
         def generate(prompts, params):

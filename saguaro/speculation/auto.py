@@ -37,6 +37,7 @@ import math
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -62,6 +63,7 @@ PRIOR_ROUNDS = 4.0  # the prediction counts as this many rounds of measurement
 PRIOR_ACCEPTANCE = 0.7  # a_i before any draft token was verified
 PRIOR_HIT_RATE = 0.8  # SSD's cache hit rate before one was measured
 SSD_MIN_ROUNDS = 8  # the shortest SSD stint
+MIN_VERIFIED_BEFORE_SSD = 32  # draft tokens verified before the acceptance may start a worker
 
 
 def batch_bucket(batch: int) -> int:
@@ -74,13 +76,20 @@ def batch_bucket(batch: int) -> int:
 class RowCosts:
     """Seconds per pass as a function of the rows it runs: running means per row count,
     interpolated linearly between them, flat below the smallest and proportional above the
-    largest (a pass never costs less than a smaller one)."""
+    largest (a pass never costs less than a smaller one). The first pass at a row count is a
+    warm-up and is not counted: a process's first passes run several times slower, and a cost
+    measured then would keep auto off that choice for good (a one-request chat: 114 tok/s under
+    auto against 160 for AR, from one cold AR round)."""
 
     def __init__(self):
         self.rows: list[int] = []
         self.seconds: list[float] = []
+        self.warmed: set[int] = set()
 
     def add(self, rows: int, seconds: float) -> None:
+        if rows not in self.warmed:
+            self.warmed.add(rows)
+            return
         i = bisect.bisect_left(self.rows, rows)
         if i < len(self.rows) and self.rows[i] == rows:
             self.seconds[i] += EMA * (seconds - self.seconds[i])
@@ -150,24 +159,43 @@ class Controller:
             return None
         if choice != SSD:
             return batch * self.expected_tokens(k) / (target + k * step)
+        return self._predicted_ssd(batch, target, step, self.ssd_cores_ratio)
+
+    def _predicted_ssd(self, batch: int, target: float, step: float, cores_ratio: float) -> float:
+        k = self.max_k
         hits, misses = self.ssd_hits
         p = (hits + 4 * PRIOR_HIT_RATE) / (hits + misses + 4)
         e_hit = self.ssd_tokens[0] / hits if hits else self.expected_tokens(k)
         e_miss = self.ssd_tokens[1] / misses if misses else self.expected_tokens(k)
-        slowdown = self.ssd_slowdown or math.sqrt(self.ssd_cores_ratio)
+        slowdown = self.ssd_slowdown or math.sqrt(cores_ratio)
         fill = self.draft_step(batch * self.ssd_branches) * k  # all branches, hidden only while it fits
         return batch * (p * e_hit + (1 - p) * e_miss) / (slowdown * max(target, fill) + (1 - p) * k * step)
+
+    def ssd_would_pay(self, batch: int, cores_ratio: float) -> bool:
+        """Whether SSD, its worker holding 1 - 1 / cores_ratio of the target's cores, is predicted
+        to beat every choice without it by HYSTERESIS, once the acceptance and both models' costs
+        are measured: what a worker on this machine's own cores must promise before it starts (it
+        takes a core from the target while it loads, for seconds)."""
+        target, step = self.target(batch * (self.max_k + 1)), self.draft_step(batch)
+        if sum(self.tried) < MIN_VERIFIED_BEFORE_SSD or target is None or step is None:
+            return False
+        others = [r for k in range(self.max_k + 1) if (r := self.rate(batch, k)) is not None]
+        return max(others) * (1 + HYSTERESIS) < self._predicted_ssd(batch, target, step, cores_ratio)
 
     def rate(self, batch: int, choice: Choice) -> float | None:
         """The measured rate at this batch size, shrunk towards the prediction by PRIOR_ROUNDS."""
         predicted = self.predicted_rate(batch, choice)
-        if (batch_bucket(batch), choice) not in self.measured:
+        if not self.was_measured(batch, choice):
             return predicted
         tokens, seconds, rounds = self.measured[(batch_bucket(batch), choice)]
         observed = tokens / seconds
         if predicted is None:
             return observed
         return (rounds * observed + PRIOR_ROUNDS * predicted) / (rounds + PRIOR_ROUNDS)
+
+    def was_measured(self, batch: int, choice: Choice) -> bool:
+        """Whether a round of this choice at this batch size counted (after its warm-up)."""
+        return self.measured.get((batch_bucket(batch), choice), (0, 0, 0))[2] > 0
 
     def choices(self) -> list[Choice]:
         return list(range(self.max_k + 1)) + ([SSD] if self.ssd_cores_ratio else [])
@@ -185,8 +213,7 @@ class Controller:
         rates = {c: self.rate(batch, c) for c in choices}
         rates = {c: r for c, r in rates.items() if r is not None}
         best = max(rates, key=rates.get)
-        untried = [c for c in rates if (batch_bucket(batch), c) not in self.measured
-                   and rates[c] >= EXPLORE_WITHIN * rates[best]]
+        untried = [c for c in rates if not self.was_measured(batch, c) and rates[c] >= EXPLORE_WITHIN * rates[best]]
         if untried:
             return self._pick(max(untried, key=rates.get))
         if self.current in rates and rates[best] <= rates[self.current] * (1 + HYSTERESIS):
@@ -236,7 +263,12 @@ class Controller:
         self.target, self.draft_step, self.measured = RowCosts(), RowCosts(), {}
 
     def _measure(self, batch: int, choice: Choice, committed: int, seconds: float) -> None:
-        sums = self.measured.setdefault((batch_bucket(batch), choice), [0.0, 0.0, 0.0])
+        """Adds a round to its choice's rate at this batch size; the first is a warm-up (see RowCosts)."""
+        key = (batch_bucket(batch), choice)
+        if key not in self.measured:
+            self.measured[key] = [0.0, 0.0, 0.0]
+            return
+        sums = self.measured[key]
         for i, value in enumerate((committed, seconds, 1.0)):
             sums[i] = sums[i] * DECAY + value
 
@@ -266,24 +298,45 @@ class CoreShare:
         return self.all[1] / self.ssd[1]
 
 
-class AutoDecoder(SDDecoder):
-    """SD whose K the Controller picks each round, K = 0 being a plain AR round; and, once `ssd`
-    (a decoder whose worker is starting in the background) is ready, SSD rounds on the same
-    target KV cache, on the cores `cores.ssd`."""
+@dataclass
+class SSDLauncher:
+    """How auto gets SSD: `start` begins its worker's start in the background. A worker on
+    hardware of its own (another device or host) starts at once; one on the target's own cores
+    only once the controller predicts that SSD pays (`Controller.ssd_would_pay`)."""
+    start: Callable[[], Future[SSDDecoder]]
+    cores: CoreShare
+    branches: int  # the branches the worker pre-drafts per request (its first fan-out's sum)
 
-    def __init__(self, target: LlamaModel, drafter: Drafter, ssd: Future[SSDDecoder] | None = None,
-                 cores: CoreShare | None = None, prefix_cache: PrefixCache | None = None):
+    @property
+    def on_own_hardware(self) -> bool:
+        return self.cores.ssd == self.cores.all
+
+
+class AutoDecoder(SDDecoder):
+    """SD whose K the Controller picks each round, K = 0 being a plain AR round; and, once
+    `ssd`'s worker is up, SSD rounds on the same target KV cache, on the cores `cores.ssd`."""
+
+    def __init__(self, target: LlamaModel, drafter: Drafter, ssd: SSDLauncher | None = None,
+                 prefix_cache: PrefixCache | None = None):
         super().__init__(target, drafter, prefix_cache)
         self.controller = Controller(drafter.k)
-        self.ssd_starting, self.ssd, self.cores = ssd, None, cores
-        self.on_ssd_cores = False
+        self.launcher, self.ssd_starting, self.ssd = ssd, None, None
+        self.cores = ssd.cores if ssd is not None else None
+        self.on_ssd_cores = self.worker_loading = False
         self.undrafted: set[int] = set()  # sequences whose prompt the drafter has not run yet
-        # While SSD's worker loads on one of the target's cores, the target keeps off that core:
-        # its threads would each wait for the one sharing it (measured on 2 cores: a one-request
-        # chat decoded 32 tok/s against AR's 160).
-        self.worker_loading = ssd is not None and cores is not None and cores.ssd != cores.all
+        if ssd is not None:
+            self.controller.ssd_branches = ssd.branches
+            if ssd.on_own_hardware:
+                self._start_ssd()
+
+    def _start_ssd(self) -> None:
+        """Starts SSD's worker. While it loads on one of the target's cores, the target keeps off
+        that core: its threads would each wait for the one sharing it (measured on 2 cores: a
+        one-request chat decoded 32 tok/s against AR's 160)."""
+        self.ssd_starting, self.launcher = self.launcher.start(), None
+        self.worker_loading = self.cores.ssd != self.cores.all
         if self.worker_loading:
-            use_cores(*cores.ssd)
+            use_cores(*self.cores.ssd)
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """The target's prefill only: the drafter runs a prompt before the sequence's first SD
@@ -293,6 +346,8 @@ class AutoDecoder(SDDecoder):
 
     def step(self, seqs: list[Sequence]) -> None:
         self._adopt_ssd()
+        if self.launcher is not None and self.controller.ssd_would_pay(len(seqs), self.cores.ratio):
+            self._start_ssd()
         choice = self.controller.choose(len(seqs))
         if choice == SSD:
             return self._ssd_step(seqs)
@@ -335,8 +390,11 @@ class AutoDecoder(SDDecoder):
         self.controller.ssd_cores_ratio = self.cores.ratio
         self.controller.ssd_branches = max(1, sum(self.ssd.fan_out))
 
-    def wait_for_ssd(self) -> None:
-        """Blocks until SSD's worker is up (or failed to start)."""
+    def wait_for_ssd(self, start: bool = False) -> None:
+        """Blocks until SSD's worker is up (or failed to start); start: starts it first if auto
+        has not (yet) judged it worth a core."""
+        if start and self.launcher is not None:
+            self._start_ssd()
         if self.ssd_starting is not None:
             try:
                 self.ssd_starting.result()

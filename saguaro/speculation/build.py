@@ -12,7 +12,7 @@ from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
 from saguaro.models.loader import IncompatibleDraftError, load_draft
 from saguaro.models.prefix_cache import new_prefix_cache
-from saguaro.speculation.auto import AutoDecoder, CoreShare
+from saguaro.speculation.auto import AutoDecoder, CoreShare, SSDLauncher
 from saguaro.speculation.client import DraftClient, WorkerConfig, split_cores, usable_cores, use_cores
 from saguaro.speculation.drafters import Drafter, PromptLookupDrafter, model_drafter
 from saguaro.speculation.planning import GeometricPlan, geometric_fan_out, uniform_fan_out
@@ -63,8 +63,8 @@ def ssd_decoder(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: s
 
 
 def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
-             prefix_cache_mb: float = 0.0) -> tuple[Future[SSDDecoder], CoreShare] | None:
-    """SSD for method="auto", its worker starting on a thread of its own while auto decodes
+             prefix_cache_mb: float = 0.0) -> SSDLauncher | None:
+    """SSD for method="auto", its worker started on a thread of its own while auto decodes
     without it: on the draft's own device or host, or on this machine's last core where it has
     two or more (None where SSD has no hardware of its own)."""
     elsewhere = spec.draft_address is not None or spec.draft_device != "cpu"
@@ -72,22 +72,26 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
     if not elsewhere and (target.device.type != "cpu" or len(cores) < 2):
         return None
     cpus = None if elsewhere else str(cores[-1])
-    future: Future[SSDDecoder] = Future()
 
-    def start() -> None:
-        try:
-            decoder = ssd_decoder(target, spec, path, cpus, prefix_cache_mb)
-        except Exception as e:
-            if not future.cancelled():
-                future.set_exception(e)
-            return
-        try:
-            future.set_result(decoder)
-        except InvalidStateError:  # auto closed meanwhile
-            decoder.close()
+    def start() -> Future[SSDDecoder]:
+        future: Future[SSDDecoder] = Future()
 
-    threading.Thread(target=start, name="saguaro-auto-ssd", daemon=True).start()
-    return future, CoreShare.of(cpus)
+        def run() -> None:
+            try:
+                decoder = ssd_decoder(target, spec, path, cpus, prefix_cache_mb)
+            except Exception as e:
+                if not future.cancelled():
+                    future.set_exception(e)
+                return
+            try:
+                future.set_result(decoder)
+            except InvalidStateError:  # auto closed meanwhile
+                decoder.close()
+
+        threading.Thread(target=run, name="saguaro-auto-ssd", daemon=True).start()
+        return future
+
+    return SSDLauncher(start, CoreShare.of(cpus), max(1, sum(fan_out_plan(spec)[0])))
 
 
 def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix_cache_mb: float = 0.0) -> Decoder:
@@ -103,7 +107,7 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
         if spec.method == "sd":
             return SDDecoder(target, drafter, prefix_cache)
         ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path, prefix_cache_mb)
-        return AutoDecoder(target, drafter, *(ssd or (None, None)), prefix_cache=prefix_cache)
+        return AutoDecoder(target, drafter, ssd, prefix_cache)
     cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device)
     try:
         decoder = ssd_decoder(target, spec, path, cpus, prefix_cache_mb)
