@@ -16,6 +16,7 @@ from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.loader import load_model, load_tokenizer, resolve_dtype
 from saguaro.models.quantized import MODES
+from saguaro.models.tensor_parallel import tensor_parallel
 from saguaro.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from saguaro.speculation.build import make_decoder
 
@@ -43,19 +44,32 @@ class LLM:
     prefix_cache_mb MiB each, least recently used out first) so that a prompt starting like an
     earlier one, or the n samples of one prompt, run only what is new
     (saguaro.models.prefix_cache). Batch-invariant decoding gives the same tokens either way.
+    tensor_parallel_size: the target's layers split over this many processes on this machine's
+    CPU cores (saguaro.models.tensor_parallel), or over the ranks of a `torchrun` launch, where
+    `LLM(...)` serves rank 0 on the other ranks and exits them when it closes. It runs full
+    precision (quantization "auto" means "none" there) without prefix caching.
     """
 
     def __init__(self, model: str = hub.DEFAULT_MODEL, speculative_config: SpeculativeConfig | dict | None = None,
                  device: str = "cpu", dtype: str | torch.dtype = "auto", num_threads: int | None = None,
                  batch_invariant: bool = True, quantization: str | None = "auto", enable_prefix_caching: bool = True,
-                 prefix_cache_mb: float = 512.0, **speculative_options):
+                 prefix_cache_mb: float = 512.0, tensor_parallel_size: int = 1, **speculative_options):
         self.speculative_config = SpeculativeConfig.of(speculative_config, **speculative_options)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.dtype = resolve_dtype(dtype)
         path = hub.resolve(model)
         self.tokenizer = load_tokenizer(path)
-        self.target = load_model(path, self.dtype, device, quantization)
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if tensor_parallel_size > 1:
+            if quantization not in ("auto", "none", None):
+                raise ValueError(f"tensor parallelism splits full-precision weights; quantization {quantization!r} "
+                                 "is not supported with it")
+            enable_prefix_caching = False  # it would restore rank 0's KV entries only
+            self.target = tensor_parallel(path, self.dtype, tensor_parallel_size, device, batch_invariant)
+        else:
+            self.target = load_model(path, self.dtype, device, quantization)
         self.target.set_batch_invariant(batch_invariant)
         self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]
         self._ids = itertools.count()
@@ -73,8 +87,11 @@ class LLM:
         return self.engine.decoder
 
     def close(self) -> None:
-        """Stops the draft worker, if any (also done at exit), and gives back the core it had."""
+        """Stops the draft worker, if any, and a tensor-parallel target's other ranks (also done
+        at exit), and gives back the core the worker had."""
         self.decoder.close()
+        if self.target.tensor_parallel is not None:
+            self.target.tensor_parallel.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -167,6 +184,9 @@ def add_llm_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantization", default="auto", choices=MODES,
                        help="auto: a GGUF's 4-bit blocks run as int4 (CPU, bf16), the rest in --dtype; "
                             "none: all in --dtype; int8 / int4: every projection quantized (default: %(default)s)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split the target's layers over this many processes (CPU, full precision; under "
+                            "torchrun: its ranks) (default: %(default)s)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV entries of prompts that start like earlier ones (default: on)")
     group.add_argument("--prefix-cache-mb", type=float, default=512.0,
@@ -179,4 +199,5 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
     """The LLM the options of add_llm_arguments describe."""
     return LLM(args.model, speculative_config_from_args(args), device=args.device, dtype=args.dtype, num_threads=args.threads,
                batch_invariant=args.batch_invariant, quantization=args.quantization,
-               enable_prefix_caching=args.enable_prefix_caching, prefix_cache_mb=args.prefix_cache_mb)
+               enable_prefix_caching=args.enable_prefix_caching, prefix_cache_mb=args.prefix_cache_mb,
+               tensor_parallel_size=args.tensor_parallel_size)

@@ -64,17 +64,20 @@ def new_cache(model: LlamaModel, num_rows: int, num_slots: int) -> KVCache:
 
 
 def ensure_cache(cache: KVCache | None, model: LlamaModel, num_rows: int, num_slots: int) -> KVCache:
-    """A cache with at least num_rows rows of num_slots usable slots. Growing keeps what the
-    old cache held, so sequences in flight survive a larger batch joining them."""
+    """A cache with at least num_rows rows of num_slots usable slots. A cache grows in place,
+    keeping what it held, so sequences in flight survive a larger batch joining them (and a
+    tensor-parallel target's other ranks know it as the same cache)."""
     if cache is not None and cache.num_rows >= num_rows and cache.num_slots > num_slots:
         return cache
     grown = new_cache(model, max(num_rows, cache.num_rows if cache else 0),
                       max(num_slots, cache.num_slots - 1 if cache else 0))
-    if cache is not None:
-        rows, slots = cache.num_rows, cache.num_slots
-        grown.keys[:, :rows, :, :slots] = cache.keys
-        grown.values[:, :rows, :, :slots] = cache.values
-    return grown
+    if cache is None:
+        return grown
+    rows, slots = cache.num_rows, cache.num_slots
+    grown.keys[:, :rows, :, :slots] = cache.keys
+    grown.values[:, :rows, :, :slots] = cache.values
+    cache.keys, cache.values = grown.keys, grown.values
+    return cache
 
 
 class CacheRows:

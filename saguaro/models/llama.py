@@ -84,6 +84,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.batch_invariant = False  # see LlamaModel.set_batch_invariant
+        self.reduce = None  # tensor parallel: sums the ranks' partial outputs (saguaro.models.tensor_parallel)
 
     def forward(self, x, cos, sin, cache: KVCache, rows, slots, attn_mask, span: int) -> torch.Tensor:
         B, T, _ = x.shape
@@ -103,7 +104,7 @@ class Attention(nn.Module):
         attend = invariant.attention if self.batch_invariant else F.scaled_dot_product_attention
         out = attend(q, keys, values, attn_mask=attn_mask)
         out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
-        return project(self.o_proj, out)
+        return _reduced(self.reduce, project(self.o_proj, out))
 
 
 class MLP(nn.Module):
@@ -112,15 +113,23 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.batch_invariant = False  # see LlamaModel.set_batch_invariant
+        self.reduce = None  # see Attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         project = invariant.project if self.batch_invariant else _call
         gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)
-        return project(self.down_proj, F.silu(gate) * up)
+        return _reduced(self.reduce, project(self.down_proj, F.silu(gate) * up))
 
 
 def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
+
+
+def _reduced(reduce, x: torch.Tensor) -> torch.Tensor:
+    if reduce is not None:
+        x = x.contiguous()
+        reduce(x)
+    return x
 
 
 class DecoderLayer(nn.Module):
@@ -160,6 +169,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.native_layers = None  # saguaro.models.native.NativeLayers, where the loader attached them
         self.quantization: str | None = None  # the mode the loader built it in (saguaro.models.quantized)
+        self.tensor_parallel = None  # rank 0 of a tensor-parallel target: its Driver (saguaro.models.tensor_parallel)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Whether each position's logits are bit-identical however many tokens and sequences
@@ -183,6 +193,8 @@ class LlamaModel(nn.Module):
         """tokens, positions: [B, T]. rows: cache rows of the B sequences (default 0..B-1).
         slots: cache slots written (default: the positions). mask: [B, T, S] bool, which of the
         first S slots each token attends to (default: causal over slots). Returns [B, T, hidden]."""
+        if self.tensor_parallel is not None:  # the other ranks run the same pass on their slices
+            self.tensor_parallel.announce(tokens, positions, cache, rows, slots, mask)
         return self.run_layers(self.embed_tokens(tokens), positions, cache, rows, slots, mask)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
