@@ -35,14 +35,17 @@ class SpeculativeConfig:
                                   "(by batch size)", group="ssd", choices=BACKUPS)
     draft_device: str = _option("cpu", "the draft worker's device", group="ssd")
     draft_address: str | None = _option(None, "HOST:PORT to await a worker started elsewhere "
-                                               "(python -m saguaro.speculation.worker --connect HOST:PORT)",
-                                         group="ssd")
+                                               "(python -m saguaro.speculation.worker --connect HOST:PORT); "
+                                               "several, comma-separated, for several workers", group="ssd")
     acceptance_rate: float = _option(0.75, "prior per-token acceptance for the geometric fan-out (re-fitted "
                                            "to the measured one every 16 rounds)", group="ssd")
     power_law_r: float = _option(0.6, "exponent r of the cache miss rate F^-r", group="ssd")
     proposal_top: int = _option(256, "at temperature > 0 the worker drafts from its N most likely tokens "
                                     "(renormalized), so N (token, probability) pairs per draft token cross the "
                                     "wire instead of the whole head; 0 keeps every token", group="ssd", metavar="N")
+    num_draft_workers: int = _option(1, "SSD draft workers on this machine, each drafting for its share of the "
+                                        "requests (with --draft-address: one per comma-separated address)",
+                                     group="ssd")
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -53,6 +56,8 @@ class SpeculativeConfig:
             raise ValueError(f"backup must be one of {', '.join(BACKUPS)}")
         if self.proposal_top < 0:
             raise ValueError("proposal_top must be >= 0")
+        if self.num_draft_workers < 1:
+            raise ValueError("num_draft_workers must be >= 1")
         if self.fan_out_budget < 0:
             raise ValueError("fan_out_budget must be >= 0")
         if isinstance(self.fan_out, str) and self.fan_out not in FAN_OUTS:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from saguaro.speculation.auto import AutoDecoder, CoreShare, SSDLauncher
 from saguaro.speculation.client import DraftClient, WorkerConfig, split_cores, usable_cores, use_cores
 from saguaro.speculation.drafters import Drafter, PromptLookupDrafter, model_drafter
 from saguaro.speculation.planning import GeometricPlan, geometric_fan_out, uniform_fan_out
+from saguaro.speculation.pool import DraftPool
 from saguaro.speculation.sd import SDDecoder
 from saguaro.speculation.ssd import SSDDecoder
 
@@ -48,16 +49,28 @@ def fan_out_plan(spec: SpeculativeConfig) -> tuple[list[int], GeometricPlan | No
 
 def ssd_decoder(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: str | None,
                 prefix_cache_mb: float = 0.0) -> SSDDecoder:
-    """SSD with a new draft worker (pinned to `cpus` on this machine); prefix_cache_mb: the
-    budget of the target's prefix cache, and of the draft's."""
+    """SSD with new draft workers: spec.num_draft_workers on this machine (pinned to `cpus`),
+    or one at each of spec.draft_address's comma-separated addresses; several make a DraftPool.
+    prefix_cache_mb: the budget of the target's prefix cache, and of each draft's."""
     fan_out, plan = fan_out_plan(spec)
-    config = WorkerConfig(replace(spec, draft=str(path), fan_out=fan_out), str(target.dtype).removeprefix("torch."),
-                          cpus, prefix_cache_mb, target.quantization)
-    client = DraftClient(config, target.embed_tokens.weight.detach().cpu(), str(target.device))
-    if client.ready.vocab_size != target.config.vocab_size:
-        client.close()
-        raise IncompatibleDraftError(f"the draft's vocabulary ({client.ready.vocab_size} tokens) does not "
+    addresses = spec.draft_address.split(",") if spec.draft_address else [None] * spec.num_draft_workers
+    configs = [WorkerConfig(replace(spec, draft=str(path), fan_out=fan_out, draft_address=address),
+                            str(target.dtype).removeprefix("torch."), cpus, prefix_cache_mb, target.quantization)
+               for address in addresses]
+    embeddings = target.embed_tokens.weight.detach().cpu()
+    with ThreadPoolExecutor(len(configs)) as starting:  # the workers load at once
+        futures = [starting.submit(DraftClient, config, embeddings, str(target.device)) for config in configs]
+    clients = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    vocab = {c.ready.vocab_size for c in clients}
+    if failed or vocab != {target.config.vocab_size}:
+        for client in clients:
+            client.close()
+        if failed:
+            raise failed[0]
+        raise IncompatibleDraftError(f"the draft's vocabulary ({vocab.pop()} tokens) does not "
                                      f"match the target's ({target.config.vocab_size})")
+    client = clients[0] if len(clients) == 1 else DraftPool(clients)
     prefix_cache = None if client.ready.reads_features else new_prefix_cache(prefix_cache_mb)
     return SSDDecoder(target, client, spec.backup, plan, prefix_cache)
 
@@ -108,7 +121,8 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
             return SDDecoder(target, drafter, prefix_cache)
         ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path, prefix_cache_mb)
         return AutoDecoder(target, drafter, ssd, prefix_cache)
-    cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device)
+    cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device,
+                                                                              spec.num_draft_workers)
     try:
         decoder = ssd_decoder(target, spec, path, cpus, prefix_cache_mb)
     except BaseException:

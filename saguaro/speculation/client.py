@@ -56,16 +56,18 @@ def usable_cores() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def split_cores(draft_device: str) -> tuple[str | None, tuple[set[int], int] | None]:
-    """On CPU, the draft worker gets the last core and this process keeps the others, so
-    drafting and verifying really run in parallel. Returns the worker's core and this
-    process's cores and threads before (for use_cores to give them back), or Nones."""
+def split_cores(draft_device: str, workers: int = 1) -> tuple[str | None, tuple[set[int], int] | None]:
+    """On CPU, the draft workers get the last cores (one each, as far as one core is left) and
+    this process keeps the others, so drafting and verifying really run in parallel. Returns
+    the workers' cores and this process's cores and threads before (for use_cores to give them
+    back), or Nones."""
     cores = sorted(usable_cores())
     if draft_device != "cpu" or len(cores) < 2:
         return None, None
     before = set(cores), torch.get_num_threads()
-    use_cores(set(cores[:-1]), len(cores) - 1)
-    return str(cores[-1]), before
+    kept = max(1, len(cores) - workers)
+    use_cores(set(cores[:kept]), kept)
+    return ",".join(map(str, cores[kept:])), before
 
 
 def _stop_process(process: subprocess.Popen) -> None:
@@ -128,9 +130,18 @@ class DraftClient:
         self.unseen_tokens += sum(len(ids) for ids in token_ids)
 
     def speculate(self, request: SpecRequest) -> Speculation:
+        return self.answer(self.ask(request))
+
+    def ask(self, request: SpecRequest) -> tuple[float, float]:
+        """Sends a request (its reply comes from `answer`, so several workers can draft at
+        once); returns when it was sent and the reply's deadline."""
         start = time.perf_counter()
         deadline = start + self.timeout_s()
         self._send(request, deadline)
+        return start, deadline
+
+    def answer(self, asked: tuple[float, float]) -> Speculation:
+        start, deadline = asked
         try:
             reply = self.channel.recv(timeout_s=max(deadline - time.perf_counter(), 1e-3))
         except DraftUnavailable:

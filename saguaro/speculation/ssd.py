@@ -26,6 +26,7 @@ from saguaro.models.prefix_cache import PrefixCache
 from saguaro.speculation.client import DraftClient, replace_worker, use_cores
 from saguaro.speculation.drafters import FeatureLog
 from saguaro.speculation.planning import GeometricPlan, SpeedModel
+from saguaro.speculation.pool import DraftPool
 from saguaro.speculation.protocol import DraftUnavailable, SpecRequest, dense_probs
 
 EXPLORE_MISSES = 8  # misses each backup is tried on before auto trusts the speed model
@@ -73,7 +74,7 @@ class SSDStats:
 class SSDDecoder(ARDecoder):
     """The target side of SSD: one SpecRequest and one verification per round (see above)."""
 
-    def __init__(self, target: LlamaModel, client: DraftClient, backup: str = "auto",
+    def __init__(self, target: LlamaModel, client: DraftClient | DraftPool, backup: str = "auto",
                  plan: GeometricPlan | None = None, prefix_cache: PrefixCache | None = None):
         super().__init__(target, prefix_cache)
         if backup not in BACKUPS:
@@ -110,7 +111,8 @@ class SSDDecoder(ARDecoder):
             self.features.add(seq.seq_id, hidden)
 
     def metrics(self) -> dict:
-        return {**self.stats.summary(), **super().metrics()}
+        pool = self.client.metrics() if isinstance(self.client, DraftPool) else {}
+        return {**self.stats.summary(), **pool, **super().metrics()}
 
     def prefill(self, seqs: list[Sequence]) -> None:
         super().prefill(seqs)
