@@ -46,6 +46,9 @@ class SpeculativeConfig:
     num_draft_workers: int = _option(1, "SSD draft workers on this machine, each drafting for its share of the "
                                         "requests (with --draft-address: one per comma-separated address)",
                                      group="ssd")
+    share_window: int = _option(0, "a request whose speculation missed may take a branch another request "
+                                   "drafted but did not use, after text ending in the same N tokens (exact: a "
+                                   "proposal is verified as drafted); 0: off", group="ssd", metavar="N")
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -56,6 +59,8 @@ class SpeculativeConfig:
             raise ValueError(f"backup must be one of {', '.join(BACKUPS)}")
         if self.proposal_top < 0:
             raise ValueError("proposal_top must be >= 0")
+        if self.share_window < 0:
+            raise ValueError("share_window must be >= 0")
         if self.num_draft_workers < 1:
             raise ValueError("num_draft_workers must be >= 1")
         if self.fan_out_budget < 0:

@@ -20,9 +20,9 @@ def sd_decoder(target: LlamaModel, draft: LlamaModel, k: int, prompt_lookup: int
 
 def worker_config(draft: str, dtype: str, k: int, fan_out: list[int], saguaro_c: float = 1.0, *,
                   prompt_lookup: int | None = None, address: str | None = None, proposal_top: int = 256,
-                  **worker) -> WorkerConfig:
+                  share_window: int = 0, **worker) -> WorkerConfig:
     spec = SpeculativeConfig("ssd", draft, k, prompt_lookup, fan_out, saguaro_c=saguaro_c, draft_address=address,
-                             proposal_top=proposal_top)
+                             proposal_top=proposal_top, share_window=share_window)
     return WorkerConfig(spec, dtype, **worker)
 
 

@@ -89,8 +89,9 @@ class DraftPool:
                     asked.append((lane, mine, sent))
                     lane.handed_over.difference_update(mine)
         n = len(request.seq_ids)
-        tokens, hits, probs, lookups = [None] * n, [False] * n, [None] * n, [False] * n
+        tokens, hits, probs, lookups, shared = [None] * n, [False] * n, [None] * n, [False] * n, [False] * n
         fill_s = backup_s = 0.0
+        drafted = 0
         for lane, mine, sent in asked:
             reply = self._call(lane, lane.client.answer, sent)
             if not lane.live:
@@ -99,12 +100,14 @@ class DraftPool:
                 i = index[sid]
                 tokens[i], hits[i], probs[i] = reply.tokens[j], reply.hits[j], reply.probs[j]
                 lookups[i] = bool(reply.lookups and reply.lookups[j])
+                shared[i] = bool(reply.shared and reply.shared[j])
             fill_s, backup_s = max(fill_s, reply.fill_time_s), max(backup_s, reply.backup_time_s)
+            drafted += reply.drafted_tokens
         for i, sid in enumerate(request.seq_ids):
             if tokens[i] is None:  # its worker is lost: the n-gram guess, a point mass
                 tokens[i] = ngram_guess(self.token_ids[sid], self.k)
             self.spec[sid] = tokens[i]
-        return Speculation(tokens, hits, probs, fill_s, backup_s, lookups)
+        return Speculation(tokens, hits, probs, fill_s, backup_s, lookups, shared, drafted)
 
     def release(self, seq_ids: list[int]) -> None:
         for lane in self.lanes:

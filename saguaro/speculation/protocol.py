@@ -95,6 +95,8 @@ class Speculation:
     fill_time_s: float  # time the worker spent filling the cache in the previous round
     backup_time_s: float  # time spent on misses in this reply
     lookups: list[bool] | None = None  # which speculations were copied from the text (prompt lookup)
+    shared: list[bool] | None = None  # which hits were another request's branch (cache.py)
+    drafted_tokens: int = 0  # draft tokens the worker decoded since its last reply (tree and backup)
 
 
 @dataclass

@@ -65,9 +65,13 @@ class Speculator:
 
     def __init__(self, draft: LlamaModel, k: int, fan_out: list[int], saguaro_c: float = 1.0,
                  prompt_lookup: int | None = None, incarnation: int = 0, prefix_cache: PrefixCache | None = None,
-                 proposal_top: int = 0):
+                 proposal_top: int = 0, share_window: int = 0):
         self.k, self.saguaro_c, self.proposal_top = k, saguaro_c, proposal_top
         self.drafter = model_drafter(draft, k, reshape=self._sigma, prefix_cache=prefix_cache)
+        # Branches serve other requests after the same last share_window tokens (cache.py); not
+        # for an EAGLE draft, whose branches carry features of their own request's context.
+        self.share_window = 0 if self.drafter.reads_target_features else share_window
+        self.drafted_tokens = 0  # draft tokens decoded (tree and neural backup), for the target's metrics
         self.lookup = PromptLookupDrafter(k, prompt_lookup, self.drafter) if prompt_lookup else None
         self.fast_backup = NGramDrafter(k)
         self.cache = SpeculationCache()
@@ -133,12 +137,14 @@ class Speculator:
 
     def speculate(self, seq_ids: list[int], outcomes: list[Outcome | None], backup: str,
                   features: list[torch.Tensor | None] | None = None
-                  ) -> tuple[list[list[int]], list[bool], list[torch.Tensor | None], list[bool]]:
+                  ) -> tuple[list[list[int]], list[bool], list[torch.Tensor | None], list[bool], list[bool]]:
         """Applies each request's last outcome and returns its next speculation: from the cache
-        on a hit, else from the backup ("neural": the draft just in time; "fast": n-gram); with
-        prompt_lookup, from the text itself wherever its last prompt_lookup tokens occurred
-        before (a hit is still reported as one). Returns tokens, hits, distributions and
-        which speculations came from a lookup."""
+        on a hit (its own branch, else one another request drafted after the same last
+        share_window tokens and did not use), else from the backup ("neural": the draft just in
+        time; "fast": n-gram); with prompt_lookup, from the text itself wherever its last
+        prompt_lookup tokens occurred before (a hit is still reported as one). Returns tokens,
+        hits, distributions, which speculations came from a lookup and which hits were
+        another request's branch."""
         seqs = [self.seqs[sid] for sid in seq_ids]
         self._keep_features(seq_ids, features)
         hits, probs = [], [None] * len(seqs)
@@ -154,12 +160,21 @@ class Speculator:
                 if branch.features is not None:
                     seq.spec_features = branch.features
             hits.append(branch is not None)
+        shared = [False] * len(seqs)
+        for i, (seq, outcome) in enumerate(zip(seqs, outcomes)):
+            if self.share_window and not hits[i] and outcome is not None:
+                branch = self.cache.take_shared(tuple(seq.token_ids[-self.share_window:]))
+                if branch is not None:
+                    seq.spec, probs[i] = branch.tokens, branch.probs
+                    hits[i] = shared[i] = True
+        self.cache.end_round()
         looked = self.lookup.find(seqs) if self.lookup is not None else {}
         for i, guess in looked.items():
             seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
         missed = [i for i, hit in enumerate(hits) if not hit and i not in looked]
         if missed and backup == "neural":
             tokens, q, hidden = self.drafter.draft([seqs[i] for i in missed])
+            self.drafted_tokens += tokens.numel()
             for j, i in enumerate(missed):
                 seqs[i].spec = tokens[j].tolist()
                 seqs[i].spec_features = hidden[j]
@@ -168,7 +183,7 @@ class Speculator:
             guesses = self.fast_backup.propose([seqs[i] for i in missed]).tokens.tolist()
             for i, guess in zip(missed, guesses):
                 seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
-        return [s.spec for s in seqs], hits, probs, [i in looked for i in range(len(seqs))]
+        return [s.spec for s in seqs], hits, probs, [i in looked for i in range(len(seqs))], shared
 
     def _sigma(self, position: int, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Saguaro sampling for draft position `position` (0-based): a rejection there is the
@@ -281,9 +296,15 @@ class Speculator:
                 probs.append(q.view(B, NB, -1))
             drafted.append(tokens)
         drafted_t = torch.stack(drafted, -1).tolist()  # [B, NB, K]
+        self.drafted_tokens += B * NB * k
         probs_t = torch.stack(probs, 2) if probs else None  # [B, NB, K, head rows]
         features_t = torch.stack(branch_features, 2) if branch_features else None  # [B, NB, K, hidden]
         for b, (seq, bonus) in enumerate(zip(seqs, first.tolist())):
+            keys = None
+            if self.share_window:  # the text each branch follows: committed, the accepted drafts, the bonus
+                text = seq.token_ids + seq.spec
+                keys = [tuple((text[:len(seq.token_ids) + j] + [t])[-self.share_window:])
+                        for j, t in zip(branch_len, bonus)]
             self.cache.store(seq.seq_id, list(zip(branch_len, bonus)), drafted_t[b],
                              None if probs_t is None or seq.params.greedy else probs_t[b],
-                             None if features_t is None else features_t[b])
+                             None if features_t is None else features_t[b], keys)

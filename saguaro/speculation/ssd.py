@@ -47,6 +47,9 @@ class SSDStats:
     t_p: list[float] = field(default_factory=list)
     draft_losses: int = 0  # the worker died or stopped answering
     draft_restarts: int = 0  # a new worker took over
+    shared_hits: int = 0  # hits on a branch another request drafted (speculation/cache.py)
+    drafted_tokens: int = 0  # draft tokens the worker decoded (its tree and neural backups)
+    committed_tokens: int = 0  # tokens SSD rounds committed
 
     def summary(self) -> dict:
         hits = len(self.hit_lengths) + self.lookup_hits
@@ -68,6 +71,9 @@ class SSDStats:
             "target_wait_s_median": median(self.wait_s),
             "draft_losses": self.draft_losses,
             "draft_restarts": self.draft_restarts,
+            "shared_branch_hits": self.shared_hits,
+            "draft_tokens_per_committed_token":
+                self.drafted_tokens / self.committed_tokens if self.committed_tokens else None,
         }
 
 
@@ -196,6 +202,9 @@ class SSDDecoder(ARDecoder):
             stats.t_p.append(spec.fill_time_s / stats.verify_s[-1])
         stats.verify_s.append(verify_s)
         stats.wait_s.append(wait_s)
+        stats.shared_hits += sum(spec.shared or [])
+        stats.drafted_tokens += spec.drafted_tokens
+        stats.committed_tokens += sum(accepted_len + 1 for accepted_len, _ in outcomes)
         lookups = spec.lookups or [False] * len(seqs)
         if any(not hit and not looked for hit, looked in zip(spec.hits, lookups)):
             stats.backup_s[backup].append(spec.backup_time_s)  # a lookup needs no backup

@@ -34,7 +34,7 @@ class DraftServer:
         spec = hello.speculative
         self.speculator = Speculator(draft, spec.num_speculative_tokens, spec.fan_out, spec.saguaro_c,
                                      spec.prompt_lookup, hello.incarnation, new_prefix_cache(hello.prefix_cache_mb),
-                                     spec.proposal_top)
+                                     spec.proposal_top, spec.share_window)
         head = draft.head_token_ids.tolist() if draft.config.head_vocab_size is not None else None
         self.ready = Ready(vocab_size=draft.config.vocab_size, num_layers=draft.config.num_layers, pid=os.getpid(),
                            head_token_ids=head, reads_features=draft.reads_features)
@@ -51,12 +51,14 @@ class DraftServer:
             if message.fan_out is not None:
                 self.speculator.set_fan_out(message.fan_out)
             start = time.perf_counter()
-            tokens, hits, probs, lookups = self.speculator.speculate(message.seq_ids, message.outcomes,
-                                                                     message.backup, message.features)
+            tokens, hits, probs, lookups, shared = self.speculator.speculate(message.seq_ids, message.outcomes,
+                                                                             message.backup, message.features)
             self.pending = message.seq_ids
             if self.speculator.proposal_top:
                 probs = [None if p is None else SparseProbs.of(p, self.speculator.proposal_top) for p in probs]
-            return Speculation(tokens, hits, probs, self.fill_time, time.perf_counter() - start, lookups)
+            drafted, self.speculator.drafted_tokens = self.speculator.drafted_tokens, 0
+            return Speculation(tokens, hits, probs, self.fill_time, time.perf_counter() - start, lookups, shared,
+                               drafted)
         elif isinstance(message, Release):
             self.speculator.release(message.seq_ids)
         return None
