@@ -106,12 +106,13 @@ def test_backup_time_is_measured_only_on_rounds_that_ran_a_backup():
     backup look free, and auto would never switch to the fast one at any batch size."""
     from types import SimpleNamespace
 
+    from saguaro.speculation.protocol import Speculation
     from saguaro.speculation.ssd import SSDDecoder, SSDStats
 
     decoder = SimpleNamespace(stats=SSDStats())
     seq = SimpleNamespace(stats=SimpleNamespace(cache_hits=[]))
     for looked, backup_s in ((True, 0.0001), (False, 0.012), (True, 0.0001)):
-        spec = SimpleNamespace(fill_time_s=0.0, hits=[False], lookups=[looked], backup_time_s=backup_s)
+        spec = Speculation([[0]], hits=[False], probs=[None], fill_time_s=0.0, backup_time_s=backup_s, lookups=[looked])
         SSDDecoder._record(decoder, [seq], [(1, 7)], spec, [(2, 9)], "neural", 0.0, 0.030)
     assert decoder.stats.backup_s["neural"] == [0.012]
     assert len(decoder.stats.lookup_lengths) == 2 and decoder.stats.miss_lengths["neural"] == [3]
