@@ -101,3 +101,18 @@ def test_sharing_check_catches_a_broken_acceptance_rule(tiny_target, tiny_draft_
 def test_sharing_off_shares_nothing(tiny_target, tiny_draft_dir):
     _, _, decoder = shared_outputs(tiny_target, tiny_draft_dir, share_window=0)
     assert decoder.stats.shared_hits == 0 and decoder.metrics()["draft_tokens_per_committed_token"] > 0
+
+
+def test_greedy_with_shared_branches_equals_ar(tiny_target, tiny_draft_dir):
+    client = InProcessDraft(worker_config(str(tiny_draft_dir), "float32", K, FAN_OUT, share_window=1), None)
+    decoder = SSDDecoder(tiny_target, client, "neural")
+    prompts = [PROMPT + [i % 8, (i // 8) % 8] for i in range(200)]
+    params = SamplingParams(temperature=0, max_tokens=NEW)
+    outputs = []
+    for d in (decoder, decoders.ARDecoder(tiny_target)):
+        seqs = [Sequence(i, p, params, []) for i, p in enumerate(prompts)]
+        d.reserve(len(seqs), len(prompts[0]) + NEW + d.lookahead)
+        decode_all(d, seqs)
+        outputs.append([s.output_ids for s in seqs])
+    assert outputs[0] == outputs[1]
+    assert decoder.stats.shared_hits > 0

@@ -151,8 +151,7 @@ class Driver:
         if lost:
             self.closed = True
             raise RuntimeError(f"a tensor-parallel rank exited (exit code {lost[0]})")
-        self.ranks.broadcast(("pass", id(cache), (cache.num_rows, cache.num_slots), tokens, positions, rows, slots,
-                              mask))
+        self.ranks.broadcast((id(cache), (cache.num_rows, cache.num_slots), tokens, positions, rows, slots, mask))
 
     def close(self) -> None:
         """Stops the other ranks (also done at exit)."""
@@ -174,7 +173,7 @@ def serve(model: LlamaModel, ranks: Ranks) -> None:
     """A rank other than 0: runs rank 0's passes on this rank's slice until it closes."""
     caches: dict[int, KVCache] = {}
     while (message := ranks.broadcast()) is not None:
-        _, key, (num_rows, num_slots), tokens, positions, rows, slots, mask = message
+        key, (num_rows, num_slots), tokens, positions, rows, slots, mask = message
         cache = caches.get(key)
         if cache is None or (cache.num_rows, cache.num_slots) != (num_rows, num_slots):
             caches[key] = cache = mirror(cache, model, num_rows, num_slots)
