@@ -19,8 +19,8 @@ from saguaro.engine import decoders
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.loader import save_checkpoint
-from saguaro.speculation.auto import (SSD, SSD_MIN_ROUNDS, AutoDecoder, Controller, CoreShare, RowCosts,
-                                     SSDLauncher, batch_bucket)
+from saguaro.speculation.auto import (REFRESH_ROUNDS, SSD, SSD_MIN_ROUNDS, AutoDecoder, Controller, CoreShare,
+                                     RowCosts, SSDLauncher, batch_bucket)
 from saguaro.speculation.build import sd_drafter
 from saguaro.speculation.client import usable_cores, use_cores
 from saguaro.speculation.ssd import SSDDecoder
@@ -91,6 +91,39 @@ def test_nearby_batch_sizes_share_measured_rates():
     measured(controller, 30, lambda rows: 0.004 * rows, 0.010, 0.5)
     assert all(controller.rate(28, k) != controller.predicted_rate(28, k) for k in range(4))  # measured at 30
     assert controller.choose(28) == 0  # no exploring anew: AR measured fastest
+
+
+def test_a_stale_measurement_is_taken_again():
+    """AR measured in a bad moment (three times its real cost): SD wins meanwhile, but once AR's
+    rate is REFRESH_ROUNDS rounds old AR is measured again and takes over. Control: a choice far
+    below the best is not retried however old its rate."""
+    flat = lambda rows: 0.010 + 0.001 * rows  # noqa: E731  AR 286 tok/s, K = 1 (nothing accepted) 182
+    controller = Controller(max_k=1)
+    measured(controller, 4, flat, 0.004, 0.0)
+    for _ in range(3):
+        controller.record(4, 0, 3 * flat(4), 0.0, [], 4)  # AR's rounds while the machine was busy
+    choices = []
+    for _ in range(4 * REFRESH_ROUNDS):
+        choice = controller.choose(4)
+        choices.append(choice)
+        controller.record(4, choice, flat(4 * (choice + 1)), choice * 0.004, [0] * 4, 4)
+    assert choices[:REFRESH_ROUNDS] == [1] * REFRESH_ROUNDS  # AR's rate is not yet stale
+    assert choices[REFRESH_ROUNDS + 1] == 0  # measured again, AR takes over ...
+    assert choices[REFRESH_ROUNDS + 1:].count(1) <= 3  # ... but for SD's own refresh rounds
+    far_behind = Controller(max_k=1)
+    measured(far_behind, 4, lambda rows: 0.004 * rows, 0.020, 0.0)  # SD: nothing accepted, a costly draft
+    for _ in range(3 * REFRESH_ROUNDS):
+        assert far_behind.choose(4) == 0
+        far_behind.record(4, 0, 0.016, 0.0, [], 4)
+
+
+def test_the_drafters_first_run_of_a_prompt_is_charged_to_sds_rate_and_not_to_its_step():
+    charged, free = Controller(max_k=2), Controller(max_k=2)
+    for controller, prefill_s in ((charged, 0.5), (free, 0.0)):
+        for prefill in [0.0, prefill_s] + [0.0] * 8:  # a warm-up round, then the new request's first
+            controller.record(1, 2, 0.02, 0.004, [2], 3, prefill)
+    assert charged.draft_step(1) == free.draft_step(1) == pytest.approx(0.002)
+    assert charged.rate(1, 2) < 0.8 * free.rate(1, 2)
 
 
 def ssd_rounds(controller: Controller, batch: int, verify_s: float, hit_rate: float, tokens_on_hit: int) -> None:

@@ -25,16 +25,16 @@ class PlanRow:
 
 
 def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, choice: Choice) -> float:
-    """Committed tokens per second of the decoding rounds the controller measures (prefill and
-    an SSD stint's first round left out), with its choice fixed."""
+    """Committed tokens per second of the decoding rounds the controller measures (the target's
+    prefill and an SSD stint's first round left out), with its choice fixed."""
     controller = llm.decoder.controller
     committed, seconds = 0, 0.0
     record, record_ssd = controller.record, controller.record_ssd
 
-    def counting(batch, k, target_s, draft_s, accepted_lens, tokens):
+    def counting(batch, k, target_s, draft_s, accepted_lens, tokens, draft_prefill_s=0.0):
         nonlocal committed, seconds
-        committed, seconds = committed + tokens, seconds + target_s + draft_s
-        record(batch, k, target_s, draft_s, accepted_lens, tokens)
+        committed, seconds = committed + tokens, seconds + target_s + draft_s + draft_prefill_s
+        record(batch, k, target_s, draft_s, accepted_lens, tokens, draft_prefill_s)
 
     def counting_ssd(batch, verify_s, wait_s, hits, tokens):
         nonlocal committed, seconds

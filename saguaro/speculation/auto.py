@@ -63,6 +63,8 @@ PRIOR_ROUNDS = 4.0  # the prediction counts as this many rounds of measurement
 PRIOR_ACCEPTANCE = 0.7  # a_i before any draft token was verified
 PRIOR_HIT_RATE = 0.8  # SSD's cache hit rate before one was measured
 SSD_MIN_ROUNDS = 8  # the shortest SSD stint
+REFRESH_ROUNDS = 64  # a choice not measured for this many rounds at a batch size is measured again ...
+REFRESH_WITHIN = 0.5  # ... if its rate is at least this share of the best
 MIN_VERIFIED_BEFORE_SSD = 32  # draft tokens verified before the acceptance may start a worker
 
 
@@ -126,6 +128,8 @@ class Controller:
     ssd_slowdown: float | None = None  # measured: SSD's verification / the same pass on all cores
     ssd_hits: list[int] = field(default_factory=lambda: [0, 0])  # sequence rounds that hit, that missed
     ssd_tokens: list[int] = field(default_factory=lambda: [0, 0])  # ... and the tokens they committed
+    bucket_rounds: Counter = field(default_factory=Counter)  # measured rounds per batch bucket
+    last_measured: dict[tuple[int, Choice], int] = field(default_factory=dict)  # ... at its latest round
     current: Choice | None = None
     stint: int = 0  # rounds since the last switch
     rounds_by_choice: Counter = field(default_factory=Counter)
@@ -197,6 +201,21 @@ class Controller:
         """Whether a round of this choice at this batch size counted (after its warm-up)."""
         return self.measured.get((batch_bucket(batch), choice), (0, 0, 0))[2] > 0
 
+    def is_stale(self, batch: int, choice: Choice) -> bool:
+        """Whether the choice's measured rate at this batch size is more than REFRESH_ROUNDS
+        rounds old: the machine, the text and the temperature may have changed since, and a
+        measurement taken in a bad moment would otherwise keep auto off a choice for good."""
+        bucket = batch_bucket(batch)
+        return self.bucket_rounds[bucket] - self.last_measured.get((bucket, choice), 0) > REFRESH_ROUNDS
+
+    def _refresh(self, batch: int, choice: Choice) -> Choice:
+        """Drops a stale choice's measured rate (its passes' costs stay), so that the round about
+        to run measures it anew."""
+        key = (batch_bucket(batch), choice)
+        self.measured[key] = [0.0, 0.0, 0.0]
+        self.last_measured[key] = self.bucket_rounds[key[0]]
+        return choice
+
     def choices(self) -> list[Choice]:
         return list(range(self.max_k + 1)) + ([SSD] if self.ssd_cores_ratio else [])
 
@@ -216,6 +235,10 @@ class Controller:
         untried = [c for c in rates if not self.was_measured(batch, c) and rates[c] >= EXPLORE_WITHIN * rates[best]]
         if untried:
             return self._pick(max(untried, key=rates.get))
+        stale = [c for c in rates if c != self.current and rates[c] >= REFRESH_WITHIN * rates[best]
+                 and self.is_stale(batch, c)]
+        if stale:
+            return self._pick(self._refresh(batch, max(stale, key=rates.get)))
         if self.current in rates and rates[best] <= rates[self.current] * (1 + HYSTERESIS):
             return self._pick(self.current)
         return self._pick(best)
@@ -230,9 +253,10 @@ class Controller:
         return choice
 
     def record(self, batch: int, k: int, target_s: float, draft_s: float, accepted_lens: list[int],
-               committed: int) -> None:
+               committed: int, draft_prefill_s: float = 0.0) -> None:
         """One AR or SD round: its passes' times, each sequence's accepted drafts, the tokens it
-        committed."""
+        committed, and the time the drafter took first to run the prompts it had not seen: SD's
+        price of entry for new requests, charged to the round's rate and not to the draft step."""
         self.target.add(batch * (k + 1), target_s)
         if k:
             self.draft_step.add(batch, draft_s / k)
@@ -240,7 +264,7 @@ class Controller:
                 for i in range(min(n + 1, k)):
                     self.tried[i] += 1
                     self.accepted[i] += i < n
-        self._measure(batch, k, committed, target_s + draft_s)
+        self._measure(batch, k, committed, target_s + draft_s + draft_prefill_s)
 
     def record_ssd(self, batch: int, verify_s: float, wait_s: float, hits: list[bool | None],
                    committed: list[int]) -> None:
@@ -265,6 +289,8 @@ class Controller:
     def _measure(self, batch: int, choice: Choice, committed: int, seconds: float) -> None:
         """Adds a round to its choice's rate at this batch size; the first is a warm-up (see RowCosts)."""
         key = (batch_bucket(batch), choice)
+        self.bucket_rounds[key[0]] += 1
+        self.last_measured[key] = self.bucket_rounds[key[0]]
         if key not in self.measured:
             self.measured[key] = [0.0, 0.0, 0.0]
             return
@@ -352,6 +378,7 @@ class AutoDecoder(SDDecoder):
         if choice == SSD:
             return self._ssd_step(seqs)
         self._leave_ssd()
+        entered = time.perf_counter()
         if choice and (new := [s for s in seqs if s.seq_id in self.undrafted]):
             self.drafter.prefill(new)
             self.undrafted.difference_update(s.seq_id for s in new)
@@ -367,7 +394,8 @@ class AutoDecoder(SDDecoder):
             outcomes = self.verify_proposal(seqs, proposal)
         verified = time.perf_counter()
         self.controller.record(len(seqs), choice, verified - drafted, drafted - started,
-                               [accepted_len for accepted_len, _ in outcomes], sum(len(s) for s in seqs) - before)
+                               [accepted_len for accepted_len, _ in outcomes], sum(len(s) for s in seqs) - before,
+                               started - entered)
 
     def _adopt_ssd(self) -> None:
         """Takes the SSD decoder once its worker is up (a worker that failed to start leaves
