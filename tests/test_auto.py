@@ -19,6 +19,7 @@ from saguaro.engine import decoders
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.loader import save_checkpoint
+from saguaro.speculation import auto as auto_module
 from saguaro.speculation.auto import (REFRESH_ROUNDS, SSD, SSD_MIN_ROUNDS, AutoDecoder, Controller, CoreShare,
                                      RowCosts, SSDLauncher, batch_bucket)
 from saguaro.speculation.build import sd_drafter
@@ -115,6 +116,28 @@ def test_a_stale_measurement_is_taken_again():
     for _ in range(3 * REFRESH_ROUNDS):
         assert far_behind.choose(4) == 0
         far_behind.record(4, 0, 0.016, 0.0, [], 4)
+
+
+def tried_at_batch_16() -> set:
+    """The choices a controller that measured everything at batch 4 (every draft token
+    accepted, every row costing the same) tries over 100 rounds at batch 16, where AR is best
+    but K = 5 is predicted within EXPLORE_WITHIN of it: its round runs 96 rows to AR's 16."""
+    steep = lambda rows: 0.001 * rows  # noqa: E731
+    controller = Controller(max_k=5)
+    measured(controller, 4, steep, 0.0005, 1.0)
+    assert controller.rate(16, 5) >= auto_module.EXPLORE_WITHIN * controller.rate(16, 0)
+    tried = set()
+    for _ in range(100):
+        choice = controller.choose(16)
+        tried.add(choice)
+        controller.record(16, choice, steep(16 * (choice + 1)), choice * 0.0005, [choice] * 16, 16 * (choice + 1))
+    return tried
+
+
+def test_a_choice_whose_round_costs_several_of_the_best_is_not_tried(monkeypatch):
+    assert 5 not in tried_at_batch_16()
+    monkeypatch.setattr(auto_module, "TRY_COST", 100.0)
+    assert 5 in tried_at_batch_16()  # control: without the bound it is
 
 
 def test_the_drafters_first_run_of_a_prompt_is_charged_to_sds_rate_and_not_to_its_step():

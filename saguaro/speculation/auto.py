@@ -65,6 +65,7 @@ PRIOR_HIT_RATE = 0.8  # SSD's cache hit rate before one was measured
 SSD_MIN_ROUNDS = 8  # the shortest SSD stint
 REFRESH_ROUNDS = 64  # a choice not measured for this many rounds at a batch size is measured again ...
 REFRESH_WITHIN = 0.5  # ... if its rate is at least this share of the best
+TRY_COST = 2.0  # a choice is tried (untried or stale) only if its round costs at most this many of the best's
 MIN_VERIFIED_BEFORE_SSD = 32  # draft tokens verified before the acceptance may start a worker
 
 
@@ -232,10 +233,14 @@ class Controller:
         rates = {c: self.rate(batch, c) for c in choices}
         rates = {c: r for c, r in rates.items() if r is not None}
         best = max(rates, key=rates.get)
-        untried = [c for c in rates if not self.was_measured(batch, c) and rates[c] >= EXPLORE_WITHIN * rates[best]]
+        # A try costs a round of that choice: at batch 16 a round of K = 5 runs 96 rows, as long
+        # as several AR rounds, and a few such tries cost a 96-token batch a fifth of its time.
+        round_s = {c: batch * self.expected_tokens(self.max_k if c == SSD else c) / r for c, r in rates.items()}
+        affordable = [c for c in rates if round_s[c] <= TRY_COST * round_s[best]]
+        untried = [c for c in affordable if not self.was_measured(batch, c) and rates[c] >= EXPLORE_WITHIN * rates[best]]
         if untried:
             return self._pick(max(untried, key=rates.get))
-        stale = [c for c in rates if c != self.current and rates[c] >= REFRESH_WITHIN * rates[best]
+        stale = [c for c in affordable if c != self.current and rates[c] >= REFRESH_WITHIN * rates[best]
                  and self.is_stale(batch, c)]
         if stale:
             return self._pick(self._refresh(batch, max(stale, key=rates.get)))
