@@ -201,6 +201,9 @@ def test_a_worker_on_the_targets_cores_starts_only_once_ssd_is_predicted_to_pay(
     rounds_at_batch_1(pays, flat, 0.008, GEOMETRIC_08)
     assert pays.ssd_would_pay(1, cores_ratio=1.1)  # hides the draft at a 5% slower pass
     assert not pays.ssd_would_pay(1, cores_ratio=4.0)  # the worker would take 3/4 of the target's cores
+    assert not pays.ssd_would_pay(1, cores_ratio=2.0)  # half the cores: the pass taken as twice as slow ...
+    best = max(pays.rate(1, k) for k in range(5))
+    assert pays._predicted_ssd(1, flat(5), pays.draft_step(1), 2 ** 0.5) > 1.05 * best  # ... not sqrt(2)
     cheap = Controller(max_k=4)  # draft steps at 1/20 of a pass: SD on both cores wins
     rounds_at_batch_1(cheap, flat, 0.0015, GEOMETRIC_08 * 2)
     assert not cheap.ssd_would_pay(1, cores_ratio=2.0)

@@ -164,15 +164,14 @@ class Controller:
             return None
         if choice != SSD:
             return batch * self.expected_tokens(k) / (target + k * step)
-        return self._predicted_ssd(batch, target, step, self.ssd_cores_ratio)
+        return self._predicted_ssd(batch, target, step, self.ssd_slowdown or math.sqrt(self.ssd_cores_ratio))
 
-    def _predicted_ssd(self, batch: int, target: float, step: float, cores_ratio: float) -> float:
+    def _predicted_ssd(self, batch: int, target: float, step: float, slowdown: float) -> float:
         k = self.max_k
         hits, misses = self.ssd_hits
         p = (hits + 4 * PRIOR_HIT_RATE) / (hits + misses + 4)
         e_hit = self.ssd_tokens[0] / hits if hits else self.expected_tokens(k)
         e_miss = self.ssd_tokens[1] / misses if misses else self.expected_tokens(k)
-        slowdown = self.ssd_slowdown or math.sqrt(cores_ratio)
         fill = self.draft_step(batch * self.ssd_branches) * k  # all branches, hidden only while it fits
         return batch * (p * e_hit + (1 - p) * e_miss) / (slowdown * max(target, fill) + (1 - p) * k * step)
 
@@ -180,12 +179,16 @@ class Controller:
         """Whether SSD, its worker holding 1 - 1 / cores_ratio of the target's cores, is predicted
         to beat every choice without it by HYSTERESIS, once the acceptance and both models' costs
         are measured: what a worker on this machine's own cores must promise before it starts (it
-        takes a core from the target while it loads, for seconds)."""
+        takes a core from the target while it loads, for seconds). Until SSD has run, its pass is
+        taken to slow in proportion to the cores it loses, not by the square root the choice
+        itself assumes. On two cores that prior let a worker start in one bench run, SSD then
+        lost its 8-round stint, and auto's AR-only batches ran at 0.66-0.78x the AR engine's,
+        most likely while the worker loaded on the target's second core."""
         target, step = self.target(batch * (self.max_k + 1)), self.draft_step(batch)
         if sum(self.tried) < MIN_VERIFIED_BEFORE_SSD or target is None or step is None:
             return False
         others = [r for k in range(self.max_k + 1) if (r := self.rate(batch, k)) is not None]
-        return max(others) * (1 + HYSTERESIS) < self._predicted_ssd(batch, target, step, cores_ratio)
+        return max(others) * (1 + HYSTERESIS) < self._predicted_ssd(batch, target, step, self.ssd_slowdown or cores_ratio)
 
     def rate(self, batch: int, choice: Choice) -> float | None:
         """The measured rate at this batch size, shrunk towards the prediction by PRIOR_ROUNDS."""
