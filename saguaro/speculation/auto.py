@@ -23,7 +23,9 @@ sublinearly with threads), then measured.
 Where a choice has run at this batch size (sizes above 4 pool by half-octaves), its measured
 rate over its recent rounds outweighs the prediction as its rounds add up. The controller
 switches only for a predicted gain of HYSTERESIS, and tries an untried choice that the model
-rates close to the best, so the table fills where it matters. An SSD stint lasts at least
+rates close to the best, so the table fills where it matters; a measured rate REFRESH_ROUNDS
+rounds old is measured again. Either try is made only of a choice whose round costs at most
+TRY_COST of the best's. An SSD stint lasts at least
 SSD_MIN_ROUNDS rounds: its worker first runs what it has not seen, and a first round cannot hit.
 
 Every round commits tokens distributed exactly as the target alone would (AR rounds trivially,
