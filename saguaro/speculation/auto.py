@@ -239,7 +239,7 @@ class Controller:
         rates = {c: r for c, r in rates.items() if r is not None}
         best = max(rates, key=rates.get)
         # A try costs a round of that choice: at batch 16 a round of K = 5 runs 96 rows, as long
-        # as several AR rounds, and a few such tries cost a 96-token batch a fifth of its time.
+        # as several AR rounds, and a try of each K costs a 96-token batch a good share of its time.
         round_s = {c: batch * self.expected_tokens(self.max_k if c == SSD else c) / r for c, r in rates.items()}
         affordable = [c for c in rates if round_s[c] <= TRY_COST * round_s[best]]
         untried = [c for c in affordable if not self.was_measured(batch, c) and rates[c] >= EXPLORE_WITHIN * rates[best]]
