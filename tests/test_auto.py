@@ -94,6 +94,28 @@ def test_nearby_batch_sizes_share_measured_rates():
     assert controller.choose(28) == 0  # no exploring anew: AR measured fastest
 
 
+def test_greedy_and_sampling_rounds_keep_their_own_acceptance_and_rates():
+    """Greedy requests accept most drafts, sampled ones few: one table for both would speculate
+    on the sampled ones for what the greedy ones measured (and the other way round)."""
+    flat = lambda rows: 0.010 + 0.0005 * rows  # noqa: E731
+    controller = Controller(max_k=4)
+    measured(controller, 1, flat, 0.001, 1.0)  # greedy: every draft accepted
+    controller.sampling = True
+    measured(controller, 1, flat, 0.001, 0.0)  # sampling: none
+    assert controller.expected_tokens(4) < 1.5 and controller.choose(1) == 0
+    controller.sampling = False
+    assert controller.expected_tokens(4) > 4.5 and controller.choose(1) == 4
+
+
+def test_the_acceptance_follows_recent_rounds():
+    """After 300 rounds accepting every draft, 200 accepting none: the acceptance is about the
+    recent rounds' (all counts pooled, it would still read 0.6)."""
+    controller = Controller(max_k=1)
+    for accepted in [1] * 300 + [0] * 200:
+        controller.record(1, 1, 0.01, 0.001, [accepted], accepted + 1)
+    assert controller.acceptance()[0] < 0.2
+
+
 def test_a_stale_measurement_is_taken_again():
     """AR measured in a bad moment (three times its real cost): SD wins meanwhile, but once AR's
     rate is REFRESH_ROUNDS rounds old AR is measured again and takes over. Control: a choice far

@@ -10,7 +10,8 @@ planning), whose target keeps only the cores the worker does not hold:
                                                      + (1 - p) * K * t_step(b))
 
 E_K = 1 + a_1 + a_1 a_2 + ... + a_1...a_K is the expected number of tokens a round commits per
-sequence, a_i the measured chance that draft token i is accepted after the ones before it;
+sequence, a_i the measured chance that draft token i is accepted after the ones before it (over
+about the last 100 SD rounds, greedy rounds and rounds that sample counted apart);
 t_target(n) is the target's pass over n token rows and t_step(b) one draft step over b
 sequences, both read off the passes measured so far (interpolated in the number of rows, so a
 batch size never seen borrows from its neighbours). For SSD, p is its cache hit rate, E_hit and
@@ -20,8 +21,9 @@ only while it is the shorter), and s how much slower a pass runs on SSD's share 
 than on all of them: sqrt(cores / SSD's cores) until SSD has run (a small model's pass scales
 sublinearly with threads), then measured.
 
-Where a choice has run at this batch size (sizes above 4 pool by half-octaves), its measured
-rate over its recent rounds outweighs the prediction as its rounds add up. The controller
+Where a choice has run at this batch size (sizes above 4 pool by half-octaves) and kind of
+round (greedy or sampling), its measured rate over its recent rounds outweighs the prediction
+as its rounds add up. The controller
 switches only for a predicted gain of HYSTERESIS, and tries an untried choice that the model
 rates close to the best, so the table fills where it matters; a measured rate REFRESH_ROUNDS
 rounds old is measured again. Either try is made only of a choice whose round costs at most
@@ -63,12 +65,14 @@ EMA = 0.2  # weight of a new measurement of a pass's cost
 DECAY = 0.95  # per round of a choice: its measured rate follows about its last 1 / (1 - DECAY) rounds
 PRIOR_ROUNDS = 4.0  # the prediction counts as this many rounds of measurement
 PRIOR_ACCEPTANCE = 0.7  # a_i before any draft token was verified
+ACCEPTANCE_DECAY = 0.99  # per SD round: the acceptance follows about the last 100 rounds' drafts
 PRIOR_HIT_RATE = 0.8  # SSD's cache hit rate before one was measured
 SSD_MIN_ROUNDS = 8  # the shortest SSD stint
 REFRESH_ROUNDS = 64  # a choice not measured for this many rounds at a batch size is measured again ...
 REFRESH_WITHIN = 0.5  # ... if its rate is at least this share of the best
 TRY_COST = 2.0  # a choice is tried (untried or stale) only if its round costs at most this many of the best's
 MIN_VERIFIED_BEFORE_SSD = 32  # draft tokens verified before the acceptance may start a worker
+SSD_CHECK_ROUNDS = 16  # rounds between two asks whether a worker on the target's cores would pay
 
 
 def batch_bucket(batch: int) -> int:
@@ -122,25 +126,40 @@ class Controller:
     max_k: int
     target: RowCosts = field(default_factory=RowCosts)  # target pass on all cores, by token rows
     draft_step: RowCosts = field(default_factory=RowCosts)  # one draft step, by sequences
-    accepted: list[int] = field(default_factory=list)  # per draft position: accepted ...
-    tried: list[int] = field(default_factory=list)  # ... out of verified
-    # (batch bucket, choice) -> decayed sums of committed tokens, seconds and rounds
-    measured: dict[tuple[int, Choice], list[float]] = field(default_factory=dict)
+    # Whether the rounds being chosen and recorded sample (any sequence at T > 0) or are all
+    # greedy: acceptance and measured rates are kept apart for the two, which differ widely
+    # (SD's acceptance length 2.5 greedy, 1.4-1.6 at T = 0.7 on the default model).
+    sampling: bool = False
+    # (batch bucket, sampling, choice) -> decayed sums of committed tokens, seconds and rounds
+    measured: dict[tuple[int, bool, Choice], list[float]] = field(default_factory=dict)
     ssd_cores_ratio: float | None = None  # all cores / SSD's target cores; None: no SSD worker (yet)
     ssd_branches: int = 1  # branches the worker pre-drafts per request (its fan-out's sum)
     ssd_slowdown: float | None = None  # measured: SSD's verification / the same pass on all cores
     ssd_hits: list[int] = field(default_factory=lambda: [0, 0])  # sequence rounds that hit, that missed
     ssd_tokens: list[int] = field(default_factory=lambda: [0, 0])  # ... and the tokens they committed
-    bucket_rounds: Counter = field(default_factory=Counter)  # measured rounds per batch bucket
-    last_measured: dict[tuple[int, Choice], int] = field(default_factory=dict)  # ... at its latest round
+    bucket_rounds: Counter = field(default_factory=Counter)  # measured rounds per (batch bucket, sampling)
+    last_measured: dict[tuple[int, bool, Choice], int] = field(default_factory=dict)  # ... at its latest round
     current: Choice | None = None
     stint: int = 0  # rounds since the last switch
     rounds_by_choice: Counter = field(default_factory=Counter)
     switches: int = 0
 
     def __post_init__(self):
-        self.accepted = [0] * self.max_k
-        self.tried = [0] * self.max_k
+        # per kind of round (sampling), per draft position: accepted and verified drafts, decayed
+        self.verified = {kind: ([0.0] * self.max_k, [0.0] * self.max_k) for kind in (False, True)}
+        self._expected: dict[bool, list[float]] = {}  # per kind: E_0..E_Kmax (expected_tokens)
+
+    @property
+    def accepted(self) -> list[float]:
+        return self.verified[self.sampling][0]
+
+    @property
+    def tried(self) -> list[float]:
+        return self.verified[self.sampling][1]
+
+    def bucket(self, batch: int) -> tuple[int, bool]:
+        """What measured rates are pooled by: the batch's bucket and the kind of round."""
+        return batch_bucket(batch), self.sampling
 
     def acceptance(self) -> list[float]:
         """a_1..a_Kmax; an unverified position takes the one before it (the prior at first)."""
@@ -151,11 +170,15 @@ class Controller:
         return rates
 
     def expected_tokens(self, k: int) -> float:
-        total, run = 1.0, 1.0
-        for a in self.acceptance()[:k]:
-            run *= a
-            total += run
-        return total
+        """E_k, from a table rebuilt only when a verification changed the acceptance: every round
+        reads it for each choice, and at batch 4 the controller's Python was 2% of auto's time."""
+        if self.sampling not in self._expected:
+            table, run = [1.0], 1.0
+            for a in self.acceptance():
+                run *= a
+                table.append(table[-1] + run)
+            self._expected[self.sampling] = table
+        return self._expected[self.sampling][k]
 
     def predicted_rate(self, batch: int, choice: Choice) -> float | None:
         """Committed tokens per second; None where the model lacks a measurement."""
@@ -197,7 +220,7 @@ class Controller:
         predicted = self.predicted_rate(batch, choice)
         if not self.was_measured(batch, choice):
             return predicted
-        tokens, seconds, rounds = self.measured[(batch_bucket(batch), choice)]
+        tokens, seconds, rounds = self.measured[(*self.bucket(batch), choice)]
         observed = tokens / seconds
         if predicted is None:
             return observed
@@ -205,21 +228,21 @@ class Controller:
 
     def was_measured(self, batch: int, choice: Choice) -> bool:
         """Whether a round of this choice at this batch size counted (after its warm-up)."""
-        return self.measured.get((batch_bucket(batch), choice), (0, 0, 0))[2] > 0
+        return self.measured.get((*self.bucket(batch), choice), (0, 0, 0))[2] > 0
 
     def is_stale(self, batch: int, choice: Choice) -> bool:
         """Whether the choice's measured rate at this batch size is more than REFRESH_ROUNDS
         rounds old: the machine, the text and the temperature may have changed since, and a
         measurement taken in a bad moment would otherwise keep auto off a choice for good."""
-        bucket = batch_bucket(batch)
-        return self.bucket_rounds[bucket] - self.last_measured.get((bucket, choice), 0) > REFRESH_ROUNDS
+        bucket = self.bucket(batch)
+        return self.bucket_rounds[bucket] - self.last_measured.get((*bucket, choice), 0) > REFRESH_ROUNDS
 
     def _refresh(self, batch: int, choice: Choice) -> Choice:
         """Drops a stale choice's measured rate (its passes' costs stay), so that the round about
         to run measures it anew."""
-        key = (batch_bucket(batch), choice)
+        key = (*self.bucket(batch), choice)
         self.measured[key] = [0.0, 0.0, 0.0]
-        self.last_measured[key] = self.bucket_rounds[key[0]]
+        self.last_measured[key] = self.bucket_rounds[key[:2]]
         return choice
 
     def choices(self) -> list[Choice]:
@@ -270,10 +293,15 @@ class Controller:
         self.target.add(batch * (k + 1), target_s)
         if k:
             self.draft_step.add(batch, draft_s / k)
+            accepted, tried = self.verified[self.sampling]
+            for i in range(self.max_k):  # older rounds fade: the text and the requests change
+                accepted[i] *= ACCEPTANCE_DECAY
+                tried[i] *= ACCEPTANCE_DECAY
             for n in accepted_lens:
                 for i in range(min(n + 1, k)):
-                    self.tried[i] += 1
-                    self.accepted[i] += i < n
+                    tried[i] += 1
+                    accepted[i] += i < n
+            self._expected.pop(self.sampling, None)
         self._measure(batch, k, committed, target_s + draft_s + draft_prefill_s)
 
     def record_ssd(self, batch: int, verify_s: float, wait_s: float, hits: list[bool | None],
@@ -298,9 +326,9 @@ class Controller:
 
     def _measure(self, batch: int, choice: Choice, committed: int, seconds: float) -> None:
         """Adds a round to its choice's rate at this batch size; the first is a warm-up (see RowCosts)."""
-        key = (batch_bucket(batch), choice)
-        self.bucket_rounds[key[0]] += 1
-        self.last_measured[key] = self.bucket_rounds[key[0]]
+        key = (*self.bucket(batch), choice)
+        self.bucket_rounds[key[:2]] += 1
+        self.last_measured[key] = self.bucket_rounds[key[:2]]
         if key not in self.measured:
             self.measured[key] = [0.0, 0.0, 0.0]
             return
@@ -360,6 +388,7 @@ class AutoDecoder(SDDecoder):
         self.cores = ssd.cores if ssd is not None else None
         self.on_ssd_cores = self.worker_loading = False
         self.undrafted: set[int] = set()  # sequences whose prompt the drafter has not run yet
+        self.rounds = 0
         if ssd is not None:
             self.controller.ssd_branches = ssd.branches
             if ssd.on_own_hardware:
@@ -382,7 +411,10 @@ class AutoDecoder(SDDecoder):
 
     def step(self, seqs: list[Sequence]) -> None:
         self._adopt_ssd()
-        if self.launcher is not None and self.controller.ssd_would_pay(len(seqs), self.cores.ratio):
+        self.rounds += 1
+        self.controller.sampling = not all(s.params.greedy for s in seqs)
+        if self.launcher is not None and self.rounds % SSD_CHECK_ROUNDS == 1 and \
+                self.controller.ssd_would_pay(len(seqs), self.cores.ratio):
             self._start_ssd()
         choice = self.controller.choose(len(seqs))
         if choice == SSD:
