@@ -2,8 +2,13 @@
 test session and every test that needs it shares it."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# method="auto" would start from, and leave, a profile in the user's cache: each test starts fresh.
+os.environ["SAGUARO_AUTO_PROFILE"] = "0"
 
 NEW_TOKENS = 64
 

@@ -4,7 +4,9 @@ distribution test with a control that must fail)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
+import json
 from concurrent.futures import Future
 
 import pytest
@@ -114,6 +116,51 @@ def test_the_acceptance_follows_recent_rounds():
     for accepted in [1] * 300 + [0] * 200:
         controller.record(1, 1, 0.01, 0.001, [accepted], accepted + 1)
     assert controller.acceptance()[0] < 0.2
+
+
+def test_a_restored_profile_spares_a_new_process_its_first_measurements():
+    """A controller that starts from another's profile predicts the same rates at once and
+    chooses the best without first running AR and K_max; its acceptance counts as at most
+    PROFILE_WEIGHT drafts a position. Control: a fresh controller runs AR first."""
+    flat = lambda rows: 0.010 + 0.0005 * rows  # noqa: E731
+    measured_one = Controller(max_k=4)
+    for _ in range(50):
+        measured(measured_one, 1, flat, 0.001, 1.0)
+    restored = Controller(max_k=4)
+    restored.start_from(json.loads(json.dumps(measured_one.profile())))
+    assert [restored.predicted_rate(1, k) for k in range(5)] == \
+        pytest.approx([measured_one.predicted_rate(1, k) for k in range(5)], rel=0.02)
+    assert max(restored.tried) <= auto_module.PROFILE_WEIGHT < max(measured_one.tried)
+    assert restored.choose(1) == 4
+    assert Controller(max_k=4).choose(1) == 0  # control
+
+
+def test_auto_leaves_its_profile_for_the_next_decoder(target, draft, tmp_path):
+    path = tmp_path / "profile.json"
+    drafter = lambda: sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=TINY_K, prompt_lookup=0))  # noqa: E731
+    first = AutoDecoder(target, drafter(), profile=path)
+    tiny_outputs(first, sampled(0.0, rows=2))
+    costs = first.controller.target.rows
+    del first
+    gc.collect()  # the profile is written when the decoder goes (and every PROFILE_ROUNDS rounds)
+    second = AutoDecoder(target, drafter(), profile=path)
+    assert costs and second.controller.target.rows == costs
+    path.write_text("{not json")
+    assert auto_module.read_profile(path) is None and not AutoDecoder(target, drafter(), profile=path).controller.target.rows
+
+
+def test_a_draft_catching_up_on_ar_rounds_does_not_set_the_draft_steps_cost(target, draft):
+    """After AR rounds the draft first runs the tokens it missed: that round's draft time is
+    not what a step costs. The other SD rounds' are (a request's first, after its prompt ran
+    through the draft, included)."""
+    decoder = auto_decoder(target, draft, [1, 0, 0, 0] + [1] * 30)
+    flags = []
+    record = decoder.controller.record
+    decoder.controller.record = lambda *args: (flags.append((args[1], args[-1])), record(*args))
+    tiny_outputs(decoder, sampled(0.0, rows=2))
+    sd_rounds = [steady for k, steady in flags if k]
+    assert len(sd_rounds) >= 3 and sd_rounds[0] and sd_rounds[1] is False and all(sd_rounds[2:])
+    assert all(steady for k, steady in flags if not k)
 
 
 def test_a_stale_measurement_is_taken_again():

@@ -31,10 +31,10 @@ def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, choice: 
     committed, seconds = 0, 0.0
     record, record_ssd = controller.record, controller.record_ssd
 
-    def counting(batch, k, target_s, draft_s, accepted_lens, tokens, draft_prefill_s=0.0):
+    def counting(batch, k, target_s, draft_s, accepted_lens, tokens, draft_prefill_s=0.0, steady_draft=True):
         nonlocal committed, seconds
         committed, seconds = committed + tokens, seconds + target_s + draft_s + draft_prefill_s
-        record(batch, k, target_s, draft_s, accepted_lens, tokens, draft_prefill_s)
+        record(batch, k, target_s, draft_s, accepted_lens, tokens, draft_prefill_s, steady_draft)
 
     def counting_ssd(batch, verify_s, wait_s, hits, tokens):
         nonlocal committed, seconds

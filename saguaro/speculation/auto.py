@@ -37,13 +37,17 @@ output equals AR's token for token (the target's numerics are batch-invariant).
 from __future__ import annotations
 
 import bisect
+import json
 import math
+import os
 import time
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -73,6 +77,8 @@ REFRESH_WITHIN = 0.5  # ... if its rate is at least this share of the best
 TRY_COST = 2.0  # a choice is tried (untried or stale) only if its round costs at most this many of the best's
 MIN_VERIFIED_BEFORE_SSD = 32  # draft tokens verified before the acceptance may start a worker
 SSD_CHECK_ROUNDS = 16  # rounds between two asks whether a worker on the target's cores would pay
+PROFILE_ROUNDS = 256  # rounds between two writes of the profile a later process starts from
+PROFILE_WEIGHT = 32  # verified drafts a position that a restored acceptance counts as, at most
 
 
 def batch_bucket(batch: int) -> int:
@@ -286,13 +292,18 @@ class Controller:
         return choice
 
     def record(self, batch: int, k: int, target_s: float, draft_s: float, accepted_lens: list[int],
-               committed: int, draft_prefill_s: float = 0.0) -> None:
+               committed: int, draft_prefill_s: float = 0.0, steady_draft: bool = True) -> None:
         """One AR or SD round: its passes' times, each sequence's accepted drafts, the tokens it
         committed, and the time the drafter took first to run the prompts it had not seen: SD's
-        price of entry for new requests, charged to the round's rate and not to the draft step."""
+        price of entry for new requests, charged to the round's rate and not to the draft step.
+        steady_draft: whether draft_s says what K draft steps cost; not where the draft first ran
+        the tokens of a stretch without it (after AR rounds, a step read 5.3 ms against 0.4, and
+        auto kept off SD for the rest of a 250-token chat) or where prompt lookup drafted instead
+        of the model."""
         self.target.add(batch * (k + 1), target_s)
-        if k:
+        if k and steady_draft:
             self.draft_step.add(batch, draft_s / k)
+        if k:
             accepted, tried = self.verified[self.sampling]
             for i in range(self.max_k):  # older rounds fade: the text and the requests change
                 accepted[i] *= ACCEPTANCE_DECAY
@@ -319,6 +330,26 @@ class Controller:
                 self.ssd_tokens[not hit] += tokens
         self._measure(batch, SSD, sum(committed), verify_s + wait_s)
 
+    def profile(self) -> dict:
+        """What a later process on this machine may start from: the pass costs and the acceptance."""
+        return {"target": [self.target.rows, self.target.seconds],
+                "draft_step": [self.draft_step.rows, self.draft_step.seconds],
+                "verified": {"sampling" if kind else "greedy": counts for kind, counts in self.verified.items()}}
+
+    def start_from(self, profile: dict) -> None:
+        """Takes an earlier process's profile: its costs (each row count still warms up once
+        here) and its acceptance, counted as at most PROFILE_WEIGHT verified drafts a position,
+        so that this process's own rounds soon outweigh it."""
+        for costs, (rows, seconds) in ((self.target, profile["target"]), (self.draft_step, profile["draft_step"])):
+            costs.rows, costs.seconds = [int(r) for r in rows], [float(x) for x in seconds]
+        for kind in (False, True):
+            accepted, tried = profile["verified"]["sampling" if kind else "greedy"]
+            scales = [min(1.0, PROFILE_WEIGHT / t) if t > 0 else 0.0 for t in tried]
+            pad = [0.0] * self.max_k
+            self.verified[kind] = ([a * c for a, c in zip(accepted, scales)][:self.max_k] + pad)[:self.max_k], \
+                                  ([t * c for t, c in zip(tried, scales)][:self.max_k] + pad)[:self.max_k]
+        self._expected.clear()
+
     def forget_costs(self) -> None:
         """Drops the measured pass costs and rates, keeping the acceptance: rounds run while a
         draft worker was loading on one of the target's cores say little about later ones."""
@@ -340,6 +371,30 @@ class Controller:
         return {"auto_rounds_by_k": {str(c): n for c, n in self.rounds_by_choice.items()},
                 "auto_switches": self.switches, "auto_acceptance": [round(a, 3) for a in self.acceptance()],
                 "auto_ssd_slowdown": self.ssd_slowdown}
+
+
+def read_profile(path: Path) -> dict | None:
+    """The profile an earlier process left (None: none, or one this version cannot read). A
+    fresh process otherwise spends its first rounds measuring what the last one knew: a chat
+    request of 64 tokens ran AR and K_max once each, then tried K = 1 and 2, before settling."""
+    try:
+        profile = json.loads(path.read_text())
+        Controller(1).start_from(profile)  # the shape is checked on a throwaway controller
+        return profile
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_profile(controller: Controller, path: Path) -> None:
+    """Writes the controller's profile atomically; a cache that cannot be written only costs
+    the next process its first rounds' exploration."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(controller.profile()))
+        os.replace(temporary, path)
+    except OSError:
+        pass
 
 
 @dataclass
@@ -381,9 +436,14 @@ class AutoDecoder(SDDecoder):
     `ssd`'s worker is up, SSD rounds on the same target KV cache, on the cores `cores.ssd`."""
 
     def __init__(self, target: LlamaModel, drafter: Drafter, ssd: SSDLauncher | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, profile: Path | None = None):
         super().__init__(target, drafter, prefix_cache)
         self.controller = Controller(drafter.k)
+        self.profile = profile  # where the controller's profile is kept for the next process (see read_profile)
+        if profile is not None:
+            if (earlier := read_profile(profile)) is not None:
+                self.controller.start_from(earlier)
+            weakref.finalize(self, write_profile, self.controller, profile)
         self.launcher, self.ssd_starting, self.ssd = ssd, None, None
         self.cores = ssd.cores if ssd is not None else None
         self.on_ssd_cores = self.worker_loading = False
@@ -413,6 +473,8 @@ class AutoDecoder(SDDecoder):
         self._adopt_ssd()
         self.rounds += 1
         self.controller.sampling = not all(s.params.greedy for s in seqs)
+        if self.profile is not None and self.rounds % PROFILE_ROUNDS == 0:
+            write_profile(self.controller, self.profile)
         if self.launcher is not None and self.rounds % SSD_CHECK_ROUNDS == 1 and \
                 self.controller.ssd_would_pay(len(seqs), self.cores.ratio):
             self._start_ssd()
@@ -437,7 +499,7 @@ class AutoDecoder(SDDecoder):
         verified = time.perf_counter()
         self.controller.record(len(seqs), choice, verified - drafted, drafted - started,
                                [accepted_len for accepted_len, _ in outcomes], sum(len(s) for s in seqs) - before,
-                               started - entered)
+                               started - entered, choice == 0 or proposal.steady_rows == len(seqs))
 
     def _adopt_ssd(self) -> None:
         """Takes the SSD decoder once its worker is up (a worker that failed to start leaves

@@ -1,10 +1,16 @@
 """The decoder a SpeculativeConfig describes: AR, SD with its drafter, or SSD with its worker."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import threading
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from saguaro.config import SpeculativeConfig
 from saguaro.engine.decoders import ARDecoder, Decoder
@@ -107,6 +113,20 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
     return SSDLauncher(start, CoreShare.of(cpus), max(1, sum(fan_out_plan(spec)[0])))
 
 
+def auto_profile_path(target: LlamaModel, spec: SpeculativeConfig, model: str, draft: Path) -> Path | None:
+    """Where method="auto" keeps what it measured for the next process with the same models,
+    settings, threads and CPU (None where SAGUARO_AUTO_PROFILE=0)."""
+    if os.environ.get("SAGUARO_AUTO_PROFILE", "1") == "0":
+        return None
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
+    except OSError:
+        cpu = platform.processor()
+    key = json.dumps([str(model), str(draft), spec.num_speculative_tokens, spec.prompt_lookup, target.quantization,
+                      str(target.dtype), str(target.device), torch.get_num_threads(), cpu])
+    return hub.cache_dir() / "auto" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
 def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix_cache_mb: float = 0.0) -> Decoder:
     """model: the target's name or path, which picks its shipped draft. prefix_cache_mb: the
     budget of the target's prefix cache and of the draft's (0: no prefix caching). A draft
@@ -120,7 +140,7 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
         if spec.method == "sd":
             return SDDecoder(target, drafter, prefix_cache)
         ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path, prefix_cache_mb)
-        return AutoDecoder(target, drafter, ssd, prefix_cache)
+        return AutoDecoder(target, drafter, ssd, prefix_cache, auto_profile_path(target, spec, model, path))
     cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device,
                                                                               spec.num_draft_workers)
     try:

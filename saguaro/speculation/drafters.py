@@ -38,6 +38,9 @@ class Drafted(Protocol):
 class Proposal:
     tokens: torch.Tensor  # [B, K] vocabulary ids
     probs: torch.Tensor | None  # [B, K, V]: the distributions really sampled from; None: point masses
+    # sequences a draft model drafted one step at a time, with no more than the last round's
+    # tokens to catch up on: the rounds whose time says what a draft step costs (method="auto")
+    steady_rows: int = 0
 
 
 class Drafter(ABC):
@@ -153,6 +156,7 @@ class DraftModelDrafter(Drafter):
         self.kv_cache: KVCache | None = None
         self.rows = CacheRows()
         self.cached_len: dict[int, int] = {}  # seq_id -> committed tokens whose KV entries are cached
+        self.caught_up_late = False  # the last draft first ran more tokens than a round commits
 
     @property
     def kept_after_draft(self) -> int:
@@ -174,6 +178,7 @@ class DraftModelDrafter(Drafter):
     def draft(self, seqs: list[Drafted]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """autoregressive_draft over each sequence's uncached tokens, with its own uniforms."""
         starts = [self.cached_len[s.seq_id] for s in seqs]
+        self.caught_up_late = max(len(s.token_ids) - start for s, start in zip(seqs, starts)) > self.k + 1
         chunks = [s.token_ids[start:] for s, start in zip(seqs, starts)]
         device = self.model.device
         params = WarpParams.of([s.params for s in seqs], device)
@@ -187,7 +192,8 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, seqs: list[Drafted]) -> Proposal:
         tokens, probs, _ = self.draft(seqs)
-        return Proposal(tokens, None if probs is None else self.model.to_vocab(probs))
+        return Proposal(tokens, None if probs is None else self.model.to_vocab(probs),
+                        0 if self.caught_up_late else len(seqs))
 
     def rollback(self, seq_ids: list[int], lengths: list[int]) -> None:
         for seq_id, length in zip(seq_ids, lengths):
@@ -267,7 +273,7 @@ class PromptLookupDrafter(Drafter):
         drafted = [i for i in range(len(seqs)) if i not in looked]
         tokens = torch.tensor([looked.get(i, [0] * self.k) for i in range(len(seqs))])
         if not drafted:
-            return Proposal(tokens, None)
+            return Proposal(tokens, None)  # no model ran
         proposal = self.fallback.propose([seqs[i] for i in drafted])
         tokens = tokens.to(proposal.tokens.device)
         tokens[drafted] = proposal.tokens
@@ -275,7 +281,7 @@ class PromptLookupDrafter(Drafter):
         if proposal.probs is not None:
             probs = point_masses(tokens, proposal.probs.shape[-1]).to(proposal.probs.device)
             probs[drafted] = proposal.probs
-        return Proposal(tokens, probs)
+        return Proposal(tokens, probs, proposal.steady_rows)
 
     def set_num_tokens(self, k: int) -> None:
         self.k = k
