@@ -96,6 +96,22 @@ def test_nearby_batch_sizes_share_measured_rates():
     assert controller.choose(28) == 0  # no exploring anew: AR measured fastest
 
 
+def test_a_choice_that_stays_behind_is_refreshed_ever_more_rarely():
+    """K = 1 runs at about 0.6x AR: close enough to be measured again when stale, and each
+    refresh finds it behind, so the next comes after twice as many rounds."""
+    flat = lambda rows: 0.010 + 0.001 * rows  # noqa: E731
+    controller = Controller(max_k=1)
+    measured(controller, 4, flat, 0.004, 0.0)
+    refreshes = []
+    for i in range(8 * REFRESH_ROUNDS):
+        choice = controller.choose(4)
+        if choice:
+            refreshes.append(i)
+        controller.record(4, choice, flat(4 * (choice + 1)), choice * 0.004, [0] * 4, 4)
+    gaps = [b - a for a, b in zip(refreshes, refreshes[1:])]
+    assert len(refreshes) == 3 and gaps[1] > 1.8 * gaps[0]
+
+
 def test_greedy_and_sampling_rounds_keep_their_own_acceptance_and_rates():
     """Greedy requests accept most drafts, sampled ones few: one table for both would speculate
     on the sampled ones for what the greedy ones measured (and the other way round)."""

@@ -26,7 +26,7 @@ round (greedy or sampling), its measured rate over its recent rounds outweighs t
 as its rounds add up. The controller
 switches only for a predicted gain of HYSTERESIS, and tries an untried choice that the model
 rates close to the best, so the table fills where it matters; a measured rate REFRESH_ROUNDS
-rounds old is measured again. Either try is made only of a choice whose round costs at most
+rounds old is measured again (then after twice as many rounds each time). Either try is made only of a choice whose round costs at most
 TRY_COST of the best's. An SSD stint lasts at least
 SSD_MIN_ROUNDS rounds: its worker first runs what it has not seen, and a first round cannot hit.
 
@@ -145,6 +145,7 @@ class Controller:
     ssd_tokens: list[int] = field(default_factory=lambda: [0, 0])  # ... and the tokens they committed
     bucket_rounds: Counter = field(default_factory=Counter)  # measured rounds per (batch bucket, sampling)
     last_measured: dict[tuple[int, bool, Choice], int] = field(default_factory=dict)  # ... at its latest round
+    refresh_after: dict[tuple[int, bool, Choice], int] = field(default_factory=dict)  # rounds before a refresh (is_stale)
     current: Choice | None = None
     stint: int = 0  # rounds since the last switch
     rounds_by_choice: Counter = field(default_factory=Counter)
@@ -238,10 +239,13 @@ class Controller:
 
     def is_stale(self, batch: int, choice: Choice) -> bool:
         """Whether the choice's measured rate at this batch size is more than REFRESH_ROUNDS
-        rounds old: the machine, the text and the temperature may have changed since, and a
-        measurement taken in a bad moment would otherwise keep auto off a choice for good."""
-        bucket = self.bucket(batch)
-        return self.bucket_rounds[bucket] - self.last_measured.get((*bucket, choice), 0) > REFRESH_ROUNDS
+        rounds old, twice that after each refresh of it: the machine, the text and the
+        temperature may have changed since, and a measurement taken in a bad moment would
+        otherwise keep auto off a choice for good. The interval doubles because each refresh of
+        a choice that stays behind costs a round: every 64 rounds for each of K = 1..5, that is
+        a round in 13 spent on choices that lose, for as long as a server runs."""
+        key = (*self.bucket(batch), choice)
+        return self.bucket_rounds[key[:2]] - self.last_measured.get(key, 0) > self.refresh_after.get(key, REFRESH_ROUNDS)
 
     def _refresh(self, batch: int, choice: Choice) -> Choice:
         """Drops a stale choice's measured rate (its passes' costs stay), so that the round about
@@ -249,6 +253,7 @@ class Controller:
         key = (*self.bucket(batch), choice)
         self.measured[key] = [0.0, 0.0, 0.0]
         self.last_measured[key] = self.bucket_rounds[key[:2]]
+        self.refresh_after[key] = 2 * self.refresh_after.get(key, REFRESH_ROUNDS)
         return choice
 
     def choices(self) -> list[Choice]:
