@@ -172,11 +172,26 @@ def test_a_draft_catching_up_on_ar_rounds_does_not_set_the_draft_steps_cost(targ
     decoder = auto_decoder(target, draft, [1, 0, 0, 0] + [1] * 30)
     flags = []
     record = decoder.controller.record
-    decoder.controller.record = lambda *args: (flags.append((args[1], args[-1])), record(*args))
+    decoder.controller.record = lambda *args: (flags.append((args[1], args[7])), record(*args))
     tiny_outputs(decoder, sampled(0.0, rows=2))
     sd_rounds = [steady for k, steady in flags if k]
     assert len(sd_rounds) >= 3 and sd_rounds[0] and sd_rounds[1] is False and all(sd_rounds[2:])
     assert all(steady for k, steady in flags if not k)
+
+
+def test_prompt_lookups_proposals_are_counted_apart_from_the_draft_models():
+    """Half the sequences' tokens came from prompt lookup and were all accepted, the draft
+    model's none: the model's acceptance stays low, E_K is the mixture, and a round where lookup
+    proposed for everyone would cost no draft step."""
+    controller = Controller(max_k=3)
+    for _ in range(100):
+        controller.record(2, 3, 0.01, 0.003, [0], 5, lookup_lens=[3])
+    assert controller.acceptance()[0] < 0.05 and min(controller.acceptance(lookup=True)) > 0.95
+    assert controller.looked_up() == pytest.approx(0.5)
+    assert controller.expected_tokens(3) == pytest.approx(1 + 0.5 * 3, abs=0.1)
+    controller.lookup_share[False] = [1.0, 1.0]
+    controller._expected.clear()
+    assert controller.predicted_rate(1, 3) == pytest.approx(controller.expected_tokens(3) / controller.target(4))
 
 
 def test_a_stale_measurement_is_taken_again():

@@ -31,10 +31,10 @@ def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, choice: 
     committed, seconds = 0, 0.0
     record, record_ssd = controller.record, controller.record_ssd
 
-    def counting(batch, k, target_s, draft_s, accepted_lens, tokens, draft_prefill_s=0.0, steady_draft=True):
+    def counting(batch, k, target_s, draft_s, accepted_lens, tokens, *rest):
         nonlocal committed, seconds
-        committed, seconds = committed + tokens, seconds + target_s + draft_s + draft_prefill_s
-        record(batch, k, target_s, draft_s, accepted_lens, tokens, draft_prefill_s, steady_draft)
+        committed, seconds = committed + tokens, seconds + target_s + draft_s + (rest[0] if rest else 0.0)
+        record(batch, k, target_s, draft_s, accepted_lens, tokens, *rest)
 
     def counting_ssd(batch, verify_s, wait_s, hits, tokens):
         nonlocal committed, seconds

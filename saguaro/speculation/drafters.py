@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -41,6 +41,7 @@ class Proposal:
     # sequences a draft model drafted one step at a time, with no more than the last round's
     # tokens to catch up on: the rounds whose time says what a draft step costs (method="auto")
     steady_rows: int = 0
+    looked_up: list[int] = field(default_factory=list)  # sequences whose tokens prompt lookup proposed
 
 
 class Drafter(ABC):
@@ -273,7 +274,7 @@ class PromptLookupDrafter(Drafter):
         drafted = [i for i in range(len(seqs)) if i not in looked]
         tokens = torch.tensor([looked.get(i, [0] * self.k) for i in range(len(seqs))])
         if not drafted:
-            return Proposal(tokens, None)  # no model ran
+            return Proposal(tokens, None, looked_up=sorted(looked))  # no model ran
         proposal = self.fallback.propose([seqs[i] for i in drafted])
         tokens = tokens.to(proposal.tokens.device)
         tokens[drafted] = proposal.tokens
@@ -281,7 +282,7 @@ class PromptLookupDrafter(Drafter):
         if proposal.probs is not None:
             probs = point_masses(tokens, proposal.probs.shape[-1]).to(proposal.probs.device)
             probs[drafted] = proposal.probs
-        return Proposal(tokens, probs, proposal.steady_rows)
+        return Proposal(tokens, probs, proposal.steady_rows, sorted(looked))
 
     def set_num_tokens(self, k: int) -> None:
         self.k = k
