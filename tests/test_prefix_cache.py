@@ -9,16 +9,21 @@ import math
 
 import pytest
 import torch
+from stats import ks_pvalue, teacher_forced_pit
+from test_invariance import torch_products_change_below
+from test_kv_cache import VOCAB, model  # noqa: F401 (a fixture)
 
 from saguaro import LLM, SamplingParams
 from saguaro.engine import runner
-from saguaro.engine.runner import PADDING_WASTE, forward_chunks, length_groups, prefill_chunks
+from saguaro.engine.runner import (
+    PADDING_WASTE,
+    forward_chunks,
+    length_groups,
+    prefill_chunks,
+)
 from saguaro.models.kv_cache import new_cache
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import BLOCK_SIZE, PrefixCache
-from stats import ks_pvalue, teacher_forced_pit
-from test_kv_cache import VOCAB, model  # noqa: F401 (a fixture)
-
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +70,14 @@ def prefill_rows_run(model, prompts: list[list[int]], monkeypatch) -> tuple[list
     return rows_run, hidden, cache
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical, where this CPU's fp32 products round alike whatever the rows beside a row
+    (the tiny model runs torch's kernels); else equal to fp32 rounding (tests/test_invariance.py)."""
+    if torch_products_change_below(128):
+        return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    return torch.equal(a, b)
+
+
 def test_prompts_of_very_different_lengths_run_in_passes_of_their_own(tiny, monkeypatch):
     """A long prompt no longer pads short ones to its length: the padding run stays within
     PADDING_WASTE, and the hidden states and KV entries are those of running each prompt alone.
@@ -78,8 +91,8 @@ def test_prompts_of_very_different_lengths_run_in_passes_of_their_own(tiny, monk
     for i, prompt in enumerate(prompts):
         alone = new_cache(tiny, 1, 128)
         expected = forward_chunks(tiny, alone, [0], [prompt], [0])
-        assert torch.equal(hidden[i, :len(prompt)], expected[0])
-        assert torch.equal(cache.keys[:, i, :, :len(prompt)], alone.keys[:, 0, :, :len(prompt)])
+        assert same_bits(hidden[i, :len(prompt)], expected[0])
+        assert same_bits(cache.keys[:, i, :, :len(prompt)], alone.keys[:, 0, :, :len(prompt)])
     monkeypatch.setattr(runner, "PADDING_WASTE", float("inf"))
     rows_run, _, _ = prefill_rows_run(tiny, prompts, monkeypatch)
     assert len(rows_run) == 1 and sum(rows_run) > (1 + PADDING_WASTE) * real
@@ -101,9 +114,12 @@ def test_one_call_runs_a_shared_prompt_once_and_the_others_reuse_it(tiny):
     cache = new_cache(tiny, 4, 128)
     hidden, starts = prefill_chunks(tiny, cache, [0, 1, 2, 3], [prompt] * 4, prefix_cache)
     assert starts == [0] + [4 * BLOCK_SIZE] * 3
+    # The cached blocks are copies; the 3 tokens after them ran in a pass of 3 rows, against 67 in
+    # the first: bit-identical where this CPU's fp32 products round alike at both row counts.
     for row in (1, 2, 3):
-        assert torch.equal(cache.keys[:, row, :, :len(prompt)], cache.keys[:, 0, :, :len(prompt)])
-        assert torch.equal(hidden[row, :3], hidden[0, 4 * BLOCK_SIZE:len(prompt)])
+        assert torch.equal(cache.keys[:, row, :, :4 * BLOCK_SIZE], cache.keys[:, 0, :, :4 * BLOCK_SIZE])
+        assert same_bits(cache.keys[:, row, :, :len(prompt)], cache.keys[:, 0, :, :len(prompt)])
+        assert same_bits(hidden[row, :3], hidden[0, 4 * BLOCK_SIZE:len(prompt)])
 
 
 def test_eviction_keeps_the_budget_and_drops_the_deepest_blocks_first(tiny):
