@@ -31,8 +31,9 @@ def profile(method: str, k: int, prompts: list[str], params: SamplingParams) -> 
     times: dict[str, list[float]] = defaultdict(list)
     llm = LLM(method=method, num_speculative_tokens=k)
     rows = lambda model, cache, rows, chunks, *rest: max(len(c) for c in chunks)  # noqa: E731
-    decoders.forward_chunks = timed(times, lambda *a: f"target pass, {rows(*a)} tokens", decoders.forward_chunks)
-    drafters.forward_chunks = timed(times, lambda *a: f"draft pass, {rows(*a)} tokens", drafters.forward_chunks)
+    target_pass, draft_pass = decoders.forward_chunks, drafters.forward_chunks
+    decoders.forward_chunks = timed(times, lambda *a: f"target pass, {rows(*a)} tokens", target_pass)
+    drafters.forward_chunks = timed(times, lambda *a: f"draft pass, {rows(*a)} tokens", draft_pass)
     llm.target.logits = timed(times, lambda h: f"target head, {h.shape[:-1].numel()} rows", llm.target.logits)
     decoder = llm.decoder
     if method == "sd":
@@ -45,6 +46,7 @@ def profile(method: str, k: int, prompts: list[str], params: SamplingParams) -> 
     for prompt in prompts:
         llm.generate([prompt], params, use_tqdm=False)
     llm.close()
+    decoders.forward_chunks, drafters.forward_chunks = target_pass, draft_pass  # the next method's timers wrap these
     return times
 
 

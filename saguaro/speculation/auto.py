@@ -401,8 +401,9 @@ class Controller:
 
 def read_profile(path: Path) -> dict | None:
     """The profile an earlier process left (None: none, or one this version cannot read). A
-    fresh process otherwise spends its first rounds measuring what the last one knew: a chat
-    request of 64 tokens ran AR and K_max once each, then tried K = 1 and 2, before settling."""
+    fresh process otherwise spends its first rounds measuring what the last one knew: a fresh
+    server's first 8 chat requests of 64 tokens spent 29 of 500 rounds on K = 1 to 5 against
+    ShareGPT text where AR was the best choice."""
     try:
         profile = json.loads(path.read_text())
         Controller(1).start_from(profile)  # the shape is checked on a throwaway controller
