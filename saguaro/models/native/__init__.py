@@ -88,6 +88,11 @@ def library() -> ctypes.CDLL | None:
                                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                           ctypes.c_int64, ctypes.c_int]
     lib.saguaro_decoder_layer.restype = ctypes.c_int
+    lib.saguaro_decoder_layers.argtypes = [ctypes.POINTER(LayerWeights), ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.saguaro_decoder_layers.restype = ctypes.c_int
     return lib
 
 
@@ -164,6 +169,7 @@ class NativeLayers:
                     self.kept.append(tensor)
                 fields[name] = None if tensor is None else tensor.data_ptr()
             self.weights.append(LayerWeights(**fields))
+        self.all_weights = (LayerWeights * len(self.weights))(*self.weights)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, rows, slots: torch.Tensor,
             mask: torch.Tensor, span: int) -> torch.Tensor:
@@ -178,17 +184,17 @@ class NativeLayers:
         slot_of = slots.to(torch.int64).reshape(-1).contiguous()
         visible = None if bool(mask.all()) else mask.reshape(B * T, span).to(torch.uint8).contiguous()
         cos, sin = cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()
-        lib, threads = library(), torch.get_num_threads()
-        layer_bytes = cache.keys[0].numel() * cache.keys.element_size()
-        for i, weights in enumerate(self.weights):
-            status = lib.saguaro_decoder_layer(
-                ctypes.byref(weights), x.data_ptr(), B * T, cos.data_ptr(), sin.data_ptr(),
-                cache.keys.data_ptr() + i * layer_bytes, cache.values.data_ptr() + i * layer_bytes, cache.num_slots,
-                row_of.data_ptr(), slot_of.data_ptr(), None if visible is None else visible.data_ptr(), span, threads)
-            if status == -1:
-                raise MemoryError("saguaro_decoder_layer: out of memory")
-            if status != 0:  # attach() admits only the head sizes the layer takes
-                raise RuntimeError(f"saguaro_decoder_layer refused layer {i} ({status})")
+        if cache.keys.dtype != torch.bfloat16 or not cache.keys.is_contiguous():
+            raise TypeError("saguaro's kernels take a contiguous bf16 KV cache")
+        status = library().saguaro_decoder_layers(
+            self.all_weights, len(self.weights), x.data_ptr(), B * T, cos.data_ptr(), sin.data_ptr(),
+            cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys[0].numel(), cache.num_slots,
+            row_of.data_ptr(), slot_of.data_ptr(), None if visible is None else visible.data_ptr(), span,
+            torch.get_num_threads())
+        if status == -1:
+            raise MemoryError("saguaro_decoder_layer: out of memory")
+        if status != 0:  # attach() admits only the head sizes the layer takes
+            raise RuntimeError(f"saguaro_decoder_layer refused a layer ({status})")
         return x
 
 

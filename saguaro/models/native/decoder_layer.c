@@ -215,3 +215,17 @@ done:
     free(scores);
     return status;
 }
+
+/* Every layer of a model in one call: layer i reads w[i] and its cache at keys / values + i *
+ * layer_elements. Returns saguaro_decoder_layer's status of the first layer that fails. */
+TARGET int saguaro_decoder_layers(const LayerWeights *w, int64_t num_layers, uint16_t *x, int64_t n, const float *cos,
+                                  const float *sin, uint16_t *keys, uint16_t *values, int64_t layer_elements,
+                                  int64_t cache_slots, const int64_t *row_of, const int64_t *slot_of,
+                                  const uint8_t *mask, int64_t span, int threads) {
+    for (int64_t i = 0; i < num_layers; i++) {
+        const int status = saguaro_decoder_layer(w + i, x, n, cos, sin, keys + i * layer_elements, values + i * layer_elements,
+                                                 cache_slots, row_of, slot_of, mask, span, threads);
+        if (status) return status;
+    }
+    return 0;
+}
