@@ -1,8 +1,14 @@
-"""Where an AR step's and an SD round's time goes at batch 1: timers around the target's passes,
-its head, the drafter and verification, over a few HumanEval prompts decoded one at a time
-(greedy, the default two threads). What bounds speculation's gain over AR on this machine.
+"""Where an AR step's and an SD round's time goes at batch 1, and how far SD could get with a
+draft that cost nothing: timers around the target's passes, its head, the drafter and
+verification, over prompts decoded one at a time (the default two threads).
 
-    python benchmarks/round_costs.py [--k 3] [--prompts 4] [--max-tokens 128]
+For each K, the ceiling is what SD would reach if drafting took no time: the tokens a round
+commits (acceptance and prompt lookup as measured) over the round's verification alone,
+against AR's time per token. No draft of this acceptance beats it on this machine, however
+cheap; only a draft that is accepted more often does.
+
+    python benchmarks/round_costs.py [--dataset humaneval|sharegpt] [--temperature 0.7] \
+        [--ks 1,2,3,5] [--prompts 4] [--max-tokens 128] [--verbose]
 """
 from __future__ import annotations
 
@@ -12,64 +18,91 @@ import time
 from collections import defaultdict
 
 from saguaro import LLM, SamplingParams
-from saguaro.datasets import humaneval_prompts
+from saguaro.bench.runner import BenchConfig, bench_prompts
 from saguaro.engine import decoders
 from saguaro.speculation import drafters
 
 
-def timed(times: dict, name, function):
-    """function, with each call's seconds added to times[name(args)]."""
-    def call(*args, **kwargs):
-        start = time.perf_counter()
-        result = function(*args, **kwargs)
-        times[name(*args)].append(time.perf_counter() - start)
-        return result
-    return call
+class Timers:
+    """Per-call seconds of the parts of a round, kept for whichever engine runs now (`times`)."""
 
+    def __init__(self):
+        self.times: dict[str, list[float]] = defaultdict(list)
 
-def profile(method: str, k: int, prompts: list[str], params: SamplingParams) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = defaultdict(list)
-    llm = LLM(method=method, num_speculative_tokens=k)
-    rows = lambda model, cache, rows, chunks, *rest: max(len(c) for c in chunks)  # noqa: E731
-    target_pass, draft_pass = decoders.forward_chunks, drafters.forward_chunks
-    decoders.forward_chunks = timed(times, lambda *a: f"target pass, {rows(*a)} tokens", target_pass)
-    drafters.forward_chunks = timed(times, lambda *a: f"draft pass, {rows(*a)} tokens", draft_pass)
-    llm.target.logits = timed(times, lambda h: f"target head, {h.shape[:-1].numel()} rows", llm.target.logits)
-    decoder = llm.decoder
-    if method == "sd":
-        decoder.drafter.propose = timed(times, lambda *a: "draft (K steps)", decoder.drafter.propose)
-        decoder.verify_and_commit = timed(times, lambda *a: "verify and commit", decoder.verify_and_commit)
-    decoder.step = timed(times, lambda *a: "round", decoder.step)
-    for prompt in prompts[:1]:
-        llm.generate([prompt], params, use_tqdm=False)  # warm-up
-    times.clear()
-    for prompt in prompts:
-        llm.generate([prompt], params, use_tqdm=False)
-    llm.close()
-    decoders.forward_chunks, drafters.forward_chunks = target_pass, draft_pass  # the next method's timers wrap these
-    return times
+    def wrap(self, name, function):
+        """function, with each call's seconds added to times[name(args)]."""
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            result = function(*args, **kwargs)
+            self.times[name(*args)].append(time.perf_counter() - start)
+            return result
+        return call
+
+    def attach(self, llm: LLM) -> None:
+        """Times llm's rounds and their parts (the passes through the module functions that
+        every engine shares, so wrap those once with `attach_passes`)."""
+        llm.target.logits = self.wrap(lambda h: f"target head, {h.shape[:-1].numel()} rows", llm.target.logits)
+        decoder = llm.decoder
+        if decoder.num_speculative_tokens:
+            decoder.drafter.propose = self.wrap(lambda *a: "draft", decoder.drafter.propose)
+            decoder.verify_and_commit = self.wrap(lambda *a: "verify and commit", decoder.verify_and_commit)
+        decoder.step = self.wrap(lambda *a: "round", decoder.step)
+
+    def attach_passes(self) -> None:
+        rows = lambda model, cache, rows, chunks, *rest: max(len(c) for c in chunks)  # noqa: E731
+        decoders.forward_chunks = self.wrap(lambda *a: f"target pass, {rows(*a)} tokens", decoders.forward_chunks)
+        drafters.forward_chunks = self.wrap(lambda *a: f"draft pass, {rows(*a)} tokens", drafters.forward_chunks)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--dataset", choices=("humaneval", "sharegpt"), default="humaneval")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ks", default="1,2,3,5", help="SD's K values, comma-separated")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--verbose", action="store_true", help="also each part's median ms per call")
     args = parser.parse_args()
-    prompts = humaneval_prompts()[:args.prompts]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+    ks = [0] + [int(k) for k in args.ks.split(",")]
+    timers = Timers()
+    timers.attach_passes()
+    engines = {k: LLM(method="sd" if k else "ar", num_speculative_tokens=max(k, 1)) for k in ks}
+    prompts = bench_prompts(engines[0], args.dataset, BenchConfig(num_prompts=args.prompts + 1))
+    for llm in engines.values():  # a warm-up prompt each, not counted
+        timers.attach(llm)
+        llm.generate([prompts[0]], params, use_tqdm=False)
+    times = {k: defaultdict(list) for k in ks}
+    for prompt in prompts[1:]:  # the engines take turns prompt by prompt: the machine's speed drifts
+        for k, llm in engines.items():
+            timers.times = times[k]
+            llm.generate([prompt], params, use_tqdm=False)
+    for llm in engines.values():
+        llm.close()
     tokens = args.prompts * (args.max_tokens - 1)  # committed by rounds; the prefill commits the first
-    per_token = {}
-    for method in ("ar", "sd"):
-        times = profile(method, args.k, prompts, params)
-        print(f"\n{method}{f' (K = {args.k})' if method == 'sd' else ''}: median ms per call (calls)")
-        for name, values in sorted(times.items()):
-            if len(values) >= 8:
-                print(f"  {name:28s} {statistics.median(values) * 1e3:7.2f}  ({len(values)})")
-        rounds = times["round"]
-        per_token[method] = sum(rounds) / tokens
-        print(f"  tokens a round {tokens / len(rounds):.2f}, ms a token {per_token[method] * 1e3:.2f}")
-    print(f"\nSD / AR speed: {per_token['ar'] / per_token['sd']:.2f}")
+    rows, ar_ms = [], None
+    for k in ks:
+        if args.verbose:
+            print(f"\n{f'SD, K = {k}' if k else 'AR'}: median ms per call (calls)")
+            for name, values in sorted(times[k].items()):
+                if len(values) >= 8:
+                    print(f"  {name:28s} {statistics.median(values) * 1e3:7.2f}  ({len(values)})")
+        rounds = len(times[k]["round"])
+        ms = lambda name: sum(times[k][name]) * 1e3 / rounds  # noqa: E731  mean ms per round
+        per_token = sum(times[k]["round"]) * 1e3 / tokens
+        if not k:
+            ar_ms = per_token
+            rows.append(f"| AR | 1.00 | {ms('round'):.2f} | {ms('round'):.2f} | - | {per_token:.2f} | 1.00 | - |")
+            continue
+        per_round = tokens / rounds
+        rows.append(f"| SD, K = {k} | {per_round:.2f} | {ms('round'):.2f} | {ms('verify and commit'):.2f} | "
+                    f"{ms('draft'):.2f} | {per_token:.2f} | {ar_ms / per_token:.2f} | "
+                    f"{per_round * ar_ms / ms('verify and commit'):.2f} |")
+    print(f"\n{args.dataset}, T = {args.temperature}, {args.prompts} prompts x {args.max_tokens} tokens, batch 1; "
+          "mean ms per round")
+    print("| method | tokens a round | round | verification | draft | ms a token | speed / AR | ceiling: free draft / AR |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":
