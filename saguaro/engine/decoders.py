@@ -47,9 +47,9 @@ class Decoder(Protocol):
 
 
 def sample_next(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    params = WarpParams.of([s.params for s in seqs], logits.device)
-    if params.all_greedy:  # the argmax the one-hot distribution would sample, without building it
+    if all(s.params.greedy for s in seqs):  # the argmax the one-hot distribution would sample, without building it
         return logits.argmax(-1).tolist()
+    params = WarpParams.of([s.params for s in seqs], logits.device)
     probs = warp(logits, params)
     u = uniforms([s.generator for s in seqs], 1)[:, 0].to(logits.device)
     return sample(probs, u).tolist()
@@ -120,11 +120,11 @@ class ARDecoder:
         draft_tokens = draft_tokens.to(device)
         chunks = [[s.token_ids[-1]] + d for s, d in zip(seqs, draft_tokens.tolist())]
         hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
-        params = WarpParams.of([s.params for s in seqs], device).repeat(K + 1)
         logits = self.target.logits(hidden)
-        if params.all_greedy:
+        if all(s.params.greedy for s in seqs):
             accepted_len, bonus = verify_greedy(draft_tokens, logits.argmax(-1))
         else:
+            params = WarpParams.of([s.params for s in seqs], device).repeat(K + 1)
             if draft_probs is None:
                 draft_probs = point_masses(draft_tokens, self.target.config.vocab_size)
             target_probs = warp(logits.flatten(0, 1), params).view(B, K + 1, -1)

@@ -208,10 +208,11 @@ class LlamaModel(nn.Module):
         if mask.shape[-1] > cache.num_slots:
             raise IndexError(f"the KV cache has {cache.num_slots} slots; {mask.shape[-1]} needed")
         freqs = positions[..., None].float() * self.inv_freq
-        cos, sin = freqs.cos()[:, :, None], freqs.sin()[:, :, None]
+        cos, sin = freqs.cos(), freqs.sin()  # [B, T, head_dim / 2]
         rows = as_slice(rows)
         if self.native_layers is not None:
-            return self.norm(self.native_layers.run(x, cos, sin, cache, rows, slots, mask, mask.shape[-1]))
+            return self.native_layers.run(x, cos, sin, cache, rows, slots, mask, mask.shape[-1])  # norm included
+        cos, sin = cos[:, :, None], sin[:, :, None]
         attn_mask = gqa_mask(mask, self.config.num_heads // self.config.num_kv_heads)
         for layer in self.layers:
             x = layer(x, cos, sin, cache, rows, slots, attn_mask, mask.shape[-1])

@@ -104,11 +104,13 @@ class FeatureLog:
 
 
 def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]],
-                         starts: list[int], params: WarpParams, u: torch.Tensor, reshape: Reshape | None = None,
+                         starts: list[int], params: WarpParams, k: int, u: torch.Tensor | None,
+                         reshape: Reshape | None = None,
                          features: list[torch.Tensor] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Feeds each row's pending chunk, then drafts u.shape[1] tokens one at a time. An EAGLE
-    draft reads `features` with the chunks, then its own output at each drafted token.
+    """Feeds each row's pending chunk, then drafts k tokens one at a time, sampling with the
+    uniforms u [B, k] (None where every row is greedy). An EAGLE draft reads `features` with
+    the chunks, then its own output at each drafted token.
 
     Sampling happens over the model's head rows (`head_logits`): a reduced head holds all the
     mass at a fraction of the vocabulary's width. reshape may change the distribution a draft
@@ -118,7 +120,6 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
     (`model.to_vocab` widens them), or None when every row is greedy (the drafts are then
     argmaxes: point masses, which verification rebuilds from the tokens); and the hidden
     states each token was drawn from [B, K, hidden] (an EAGLE draft's own features)."""
-    k = u.shape[1]
     hidden = last_hidden(forward_chunks(model, cache, rows, chunks, starts, features), chunks)
     ends = [s + len(c) for s, c in zip(starts, chunks)]
     tokens, probs, hiddens = [], [], []
@@ -136,7 +137,8 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
         tokens.append(token)
         if i < k - 1:
             step = [[t] for t in token.tolist()]
-            hidden = forward_chunks(model, cache, rows, step, [e + i for e in ends], list(hidden[:, None]))[:, 0]
+            own = list(hidden[:, None]) if model.reads_features else None
+            hidden = forward_chunks(model, cache, rows, step, [e + i for e in ends], own)[:, 0]
     return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, torch.stack(hiddens, 1)
 
 
@@ -183,9 +185,10 @@ class DraftModelDrafter(Drafter):
         chunks = [s.token_ids[start:] for s, start in zip(seqs, starts)]
         device = self.model.device
         params = WarpParams.of([s.params for s in seqs], device)
-        u = uniforms([s.generator for s in seqs], self.k).to(device)
+        # greedy drafts draw nothing (a greedy sequence never samples from its stream)
+        u = None if params.all_greedy else uniforms([s.generator for s in seqs], self.k).to(device)
         result = autoregressive_draft(self.model, self.kv_cache, self.rows[[s.seq_id for s in seqs]], chunks,
-                                      starts, params, u, self.reshape,
+                                      starts, params, self.k, u, self.reshape,
                                       self.features_for(seqs, starts, [len(s.token_ids) for s in seqs]))
         for seq in seqs:
             self.cached_len[seq.seq_id] = len(seq.token_ids) + self.kept_after_draft

@@ -91,7 +91,7 @@ def library() -> ctypes.CDLL | None:
     lib.saguaro_decoder_layers.argtypes = [ctypes.POINTER(LayerWeights), ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.saguaro_decoder_layers.restype = ctypes.c_int
     return lib
 
@@ -170,17 +170,19 @@ class NativeLayers:
                 fields[name] = None if tensor is None else tensor.data_ptr()
             self.weights.append(LayerWeights(**fields))
         self.all_weights = (LayerWeights * len(self.weights))(*self.weights)
+        self.final_norm = model.norm.weight.detach().contiguous()
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, rows, slots: torch.Tensor,
             mask: torch.Tensor, span: int) -> torch.Tensor:
-        """The layers over x [B, T, hidden]; the arguments as LlamaModel.run_layers has them."""
+        """The layers and the final norm over x [B, T, hidden]; cos and sin [B, T, head_dim / 2],
+        the other arguments as LlamaModel.run_layers has them."""
         B, T, hidden = x.shape
         x = x.to(torch.bfloat16, copy=True).contiguous()
         if rows is None:
             rows = torch.arange(B)
         elif isinstance(rows, slice):
             rows = torch.arange(rows.start, rows.stop)
-        row_of = rows.to(torch.int64).repeat_interleave(T).contiguous()
+        row_of = (rows if T == 1 else rows.repeat_interleave(T)).to(torch.int64).contiguous()
         slot_of = slots.to(torch.int64).reshape(-1).contiguous()
         visible = None if bool(mask.all()) else mask.reshape(B * T, span).to(torch.uint8).contiguous()
         cos, sin = cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()
@@ -190,7 +192,7 @@ class NativeLayers:
             self.all_weights, len(self.weights), x.data_ptr(), B * T, cos.data_ptr(), sin.data_ptr(),
             cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys[0].numel(), cache.num_slots,
             row_of.data_ptr(), slot_of.data_ptr(), None if visible is None else visible.data_ptr(), span,
-            torch.get_num_threads())
+            self.final_norm.data_ptr(), torch.get_num_threads())
         if status == -1:
             raise MemoryError("saguaro_decoder_layer: out of memory")
         if status != 0:  # attach() admits only the head sizes the layer takes

@@ -216,16 +216,20 @@ done:
     return status;
 }
 
-/* Every layer of a model in one call: layer i reads w[i] and its cache at keys / values + i *
- * layer_elements. Returns saguaro_decoder_layer's status of the first layer that fails. */
+/* Every layer of a model in one call, then the final norm (its weight final_norm, eps that of
+ * the layers): layer i reads w[i] and its cache at keys / values + i * layer_elements. In
+ * Python the final norm was seven small torch operations, each slow right after the layers have
+ * streamed the weights through the caches. Returns saguaro_decoder_layer's status of the first
+ * layer that fails. */
 TARGET int saguaro_decoder_layers(const LayerWeights *w, int64_t num_layers, uint16_t *x, int64_t n, const float *cos,
                                   const float *sin, uint16_t *keys, uint16_t *values, int64_t layer_elements,
                                   int64_t cache_slots, const int64_t *row_of, const int64_t *slot_of,
-                                  const uint8_t *mask, int64_t span, int threads) {
+                                  const uint8_t *mask, int64_t span, const uint16_t *final_norm, int threads) {
     for (int64_t i = 0; i < num_layers; i++) {
         const int status = saguaro_decoder_layer(w + i, x, n, cos, sin, keys + i * layer_elements, values + i * layer_elements,
                                                  cache_slots, row_of, slot_of, mask, span, threads);
         if (status) return status;
     }
+    for (int64_t t = 0; t < n; t++) rms_norm(x + t * w->hidden, final_norm, w->hidden, w->eps, x + t * w->hidden);
     return 0;
 }
