@@ -118,11 +118,12 @@ class ARDecoder:
         B, K = draft_tokens.shape
         device = self.target.device
         draft_tokens = draft_tokens.to(device)
-        chunks = [[s.token_ids[-1]] + d for s, d in zip(seqs, draft_tokens.tolist())]
+        drafts = draft_tokens.tolist()
+        chunks = [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)]
         hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
         logits = self.target.logits(hidden)
         if all(s.params.greedy for s in seqs):
-            accepted_len, bonus = verify_greedy(draft_tokens, logits.argmax(-1))
+            outcomes = verify_greedy(drafts, logits.argmax(-1).tolist())
         else:
             params = WarpParams.of([s.params for s in seqs], device).repeat(K + 1)
             if draft_probs is None:
@@ -130,9 +131,9 @@ class ARDecoder:
             target_probs = warp(logits.flatten(0, 1), params).view(B, K + 1, -1)
             u = uniforms([s.generator for s in seqs], K + 1).to(device)
             accepted_len, bonus = verify(draft_tokens, draft_probs.to(device), target_probs, u[:, :K], u[:, K])
-        outcomes = list(zip(accepted_len.tolist(), bonus.tolist()))
-        for i, (seq, drafts, (k, bonus_token)) in enumerate(zip(seqs, draft_tokens.tolist(), outcomes)):
-            seq.commit(drafts[:k] + [bonus_token])
+            outcomes = list(zip(accepted_len.tolist(), bonus.tolist()))
+        for i, (seq, drafted, (k, bonus_token)) in enumerate(zip(seqs, drafts, outcomes)):
+            seq.commit(drafted[:k] + [bonus_token])
             seq.stats.acceptance_lengths.append(k + 1)
             self.keep_hidden(seq, hidden[i, :k + 1])
         return outcomes

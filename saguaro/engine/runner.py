@@ -48,6 +48,9 @@ def forward_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: l
 
 def last_hidden(hidden: torch.Tensor, chunks: list[list[int]]) -> torch.Tensor:
     """Each row's hidden state at its last real token: [B, hidden]."""
+    lengths = {len(c) for c in chunks}
+    if len(lengths) == 1:  # one operation (a decode step's usual case) instead of three
+        return hidden[:, lengths.pop() - 1]
     last = torch.tensor([len(c) - 1 for c in chunks], device=hidden.device)
     return hidden[torch.arange(len(chunks), device=hidden.device), last]
 

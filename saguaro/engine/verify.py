@@ -33,13 +33,19 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: 
     return accepted_len, sample(residual, u_bonus)
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_greedy(draft_tokens: list[list[int]], target_tokens: list[list[int]]) -> list[tuple[int, int]]:
     """`verify` for a greedy target, whose distributions are point masses on target_tokens
-    [B, K+1] (its argmaxes): whatever the draft's distribution, a draft is accepted iff it
-    equals the argmax, and the bonus is the argmax after the accepted prefix."""
-    K = draft_tokens.shape[1]
-    accepted_len = (draft_tokens == target_tokens[:, :K]).int().cumprod(-1).sum(-1)
-    return accepted_len, target_tokens.gather(1, accepted_len[:, None])[:, 0]
+    [B][K+1] (its argmaxes): whatever the draft's distribution, a draft is accepted iff it
+    equals the argmax, and the bonus is the argmax after the accepted prefix. Returns each
+    row's (accepted_len, bonus_token). On lists: a handful of ints, where each small torch
+    operation right after the target's pass would run cold."""
+    outcomes = []
+    for drafts, targets in zip(draft_tokens, target_tokens):
+        accepted_len = 0
+        while accepted_len < len(drafts) and drafts[accepted_len] == targets[accepted_len]:
+            accepted_len += 1
+        outcomes.append((accepted_len, targets[accepted_len]))
+    return outcomes
 
 
 def point_masses(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
