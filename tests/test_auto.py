@@ -175,8 +175,22 @@ def test_a_draft_catching_up_on_ar_rounds_does_not_set_the_draft_steps_cost(targ
     decoder.controller.record = lambda *args: (flags.append((args[1], args[7])), record(*args))
     tiny_outputs(decoder, sampled(0.0, rows=2))
     sd_rounds = [steady for k, steady in flags if k]
-    assert len(sd_rounds) >= 3 and sd_rounds[0] and sd_rounds[1] is False and all(sd_rounds[2:])
+    assert len(sd_rounds) >= 3 and sd_rounds[0] and sd_rounds[1] == 0 and all(sd_rounds[2:])
     assert all(steady for k, steady in flags if not k)
+
+
+def test_a_round_where_lookup_proposed_for_some_sequences_sets_the_step_cost_of_the_others():
+    """Prompt lookup proposed for one of two sequences, the model drafted for the other: the
+    round's draft time is one sequence's K steps. Control: a round where lookup proposed for
+    both (no model step) sets nothing."""
+    controller = Controller(max_k=3)
+    for _ in range(2):  # the first round at a row count is a warm-up
+        controller.record(2, 3, 0.01, 0.003, [0], 5, steady_rows=1, lookup_lens=[3])
+    assert controller.draft_step.rows == [1] and controller.draft_step(1) == pytest.approx(0.001)
+    control = Controller(max_k=3)
+    for _ in range(2):
+        control.record(2, 3, 0.01, 0.0, [], 8, steady_rows=0, lookup_lens=[3, 3])
+    assert control.draft_step(1) is None
 
 
 def test_prompt_lookups_proposals_are_counted_apart_from_the_draft_models():
@@ -216,6 +230,22 @@ def test_a_stale_measurement_is_taken_again():
     for _ in range(3 * REFRESH_ROUNDS):
         assert far_behind.choose(4) == 0
         far_behind.record(4, 0, 0.016, 0.0, [], 4)
+
+
+def test_no_try_while_the_batch_holds_requests_the_draft_has_not_seen():
+    """AR is best and K = 1 untried but rated close: a batch whose prompts the draft has not run
+    would pay their prefill for the try, so it is not made then; with every prompt drafted, it
+    is (control)."""
+    flat = lambda rows: 0.010 + 0.001 * rows  # noqa: E731
+    controller = Controller(max_k=1)
+    for _ in range(2):  # half the drafts accepted: K = 1 predicted at ~0.9 of AR
+        controller.record(4, 0, flat(4), 0.0, [], 4)
+        controller.record(4, 1, flat(8), 0.0053, [0, 1, 0, 1], 6)
+    controller.measured = {key: value for key, value in controller.measured.items() if key[2] == 0}
+    assert not controller.was_measured(4, 1)
+    assert controller.rate(4, 1) >= auto_module.EXPLORE_WITHIN * controller.rate(4, 0)
+    assert controller.choose(4, can_try=False) == 0
+    assert controller.choose(4) == 1
 
 
 def tried_at_batch_16() -> set:
@@ -337,7 +367,7 @@ def auto_decoder(target, draft, schedule, ssd: SSDDecoder | None = None, k: int 
     decoder = AutoDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k, prompt_lookup=0)),
                           launcher)
     choices = itertools.cycle(schedule)
-    decoder.controller.choose = lambda batch: decoder.controller._pick(next(choices))
+    decoder.controller.choose = lambda batch, can_try=True: decoder.controller._pick(next(choices))
     return decoder
 
 
@@ -487,7 +517,7 @@ def test_plan_forecasts_each_batch_size_from_the_others_then_measures_it(auto, p
 def test_auto_greedy_equals_ar_when_it_switches_into_and_out_of_ssd(auto, prompts, ar_greedy):
     controller = auto.decoder.controller
     schedule = itertools.cycle([5] + [SSD] * SSD_MIN_ROUNDS + [0] + [SSD] * 3 + [2])
-    controller.choose = lambda batch: controller._pick(next(schedule))
+    controller.choose = lambda batch, can_try=True: controller._pick(next(schedule))
     try:
         outputs = auto.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
     finally:

@@ -81,7 +81,7 @@ def auto_after_ar_rounds(target, draft, k: int) -> AutoDecoder:
     the hidden states the target kept meanwhile."""
     decoder = AutoDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k, prompt_lookup=0)))
     choices = itertools.chain([0, 0], itertools.cycle([k, 1, 0]))
-    decoder.controller.choose = lambda batch: decoder.controller._pick(next(choices))
+    decoder.controller.choose = lambda batch, can_try=True: decoder.controller._pick(next(choices))
     return decoder
 
 

@@ -41,7 +41,7 @@ def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, choice: 
         committed, seconds = committed + sum(tokens), seconds + verify_s + wait_s
         record_ssd(batch, verify_s, wait_s, hits, tokens)
 
-    controller.choose = lambda batch: controller._pick(choice)
+    controller.choose = lambda batch, can_try=True: controller._pick(choice)
     controller.record, controller.record_ssd = counting, counting_ssd
     try:
         llm.generate(prompts, params, use_tqdm=False)

@@ -271,9 +271,13 @@ class Controller:
     def choices(self) -> list[Choice]:
         return list(range(self.max_k + 1)) + ([SSD] if self.ssd_cores_ratio else [])
 
-    def choose(self, batch: int) -> Choice:
+    def choose(self, batch: int, can_try: bool = True) -> Choice:
         """AR and the largest K run first, so both costs are measured; then the best rate,
-        after one try of any untried choice the model rates close to it."""
+        after one try of any untried choice the model rates close to it. can_try: whether a try
+        (of an untried or a stale choice) may run now; not while the batch holds requests whose
+        prompts the draft has not run, which a try would first prefill. At batch 4 on HumanEval,
+        where AR was best, tries of K = 1 paid that prefill in most new batches, and auto read
+        0.95-0.98x AR's time in batches where it otherwise ran AR only."""
         if self.target(batch) is None:
             return self._pick(0)
         if not self.draft_step.rows:
@@ -288,6 +292,8 @@ class Controller:
         # as several AR rounds, and a try of each K costs a 96-token batch a good share of its time.
         round_s = {c: batch * self.expected_tokens(self.max_k if c == SSD else c) / r for c, r in rates.items()}
         affordable = [c for c in rates if round_s[c] <= TRY_COST * round_s[best]]
+        if not can_try:
+            affordable = []
         untried = [c for c in affordable if not self.was_measured(batch, c) and rates[c] >= EXPLORE_WITHIN * rates[best]]
         if untried:
             return self._pick(max(untried, key=rates.get))
@@ -309,7 +315,7 @@ class Controller:
         return choice
 
     def record(self, batch: int, k: int, target_s: float, draft_s: float, accepted_lens: list[int],
-               committed: int, draft_prefill_s: float = 0.0, steady_draft: bool = True,
+               committed: int, draft_prefill_s: float = 0.0, steady_rows: int | None = None,
                lookup_lens: list[int] = ()) -> None:
         """One AR or SD round: its passes' times, the accepted drafts of each sequence the draft
         model drafted for and (lookup_lens) of each prompt lookup proposed for, kept apart (12
@@ -318,13 +324,15 @@ class Controller:
         K = 2 ran fastest), the tokens it committed, and the time the drafter took first to run
         the prompts it had not seen: SD's
         price of entry for new requests, charged to the round's rate and not to the draft step.
-        steady_draft: whether draft_s says what K draft steps cost; not where the draft first ran
-        the tokens of a stretch without it (after AR rounds, a step read 5.3 ms against 0.4, and
-        auto kept off SD for the rest of a 250-token chat) or where prompt lookup drafted instead
-        of the model."""
+        steady_rows: the sequences the draft model drafted one step at a time (None: all), whose
+        K steps draft_s then times; none where the draft first ran the tokens of a stretch
+        without it (after AR rounds, a step read 5.3 ms against 0.4, and auto kept off SD for the
+        rest of a 250-token chat). Prompt lookup's sequences cost no step; counting only rounds
+        where it proposed for none kept a fresh process on K_max for 12 rounds at batch 4 on
+        HumanEval (0.59x AR's rate each), waiting for its first step cost."""
         self.target.add(batch * (k + 1), target_s)
-        if k and steady_draft:
-            self.draft_step.add(batch, draft_s / k)
+        if k and steady_rows != 0:
+            self.draft_step.add(batch if steady_rows is None else steady_rows, draft_s / k)
         if k:
             for table, lens in ((self.verified, accepted_lens), (self.verified_lookup, lookup_lens)):
                 accepted, tried = table[self.sampling]
@@ -505,7 +513,7 @@ class AutoDecoder(SDDecoder):
         if self.launcher is not None and self.rounds % SSD_CHECK_ROUNDS == 1 and \
                 self.controller.ssd_would_pay(len(seqs), self.cores.ratio):
             self._start_ssd()
-        choice = self.controller.choose(len(seqs))
+        choice = self.controller.choose(len(seqs), can_try=not any(s.seq_id in self.undrafted for s in seqs))
         if choice == SSD:
             return self._ssd_step(seqs)
         self._leave_ssd()
@@ -528,7 +536,7 @@ class AutoDecoder(SDDecoder):
         self.controller.record(len(seqs), choice, verified - drafted, drafted - started,
                                [n for i, (n, _) in enumerate(outcomes) if i not in looked_up],
                                sum(len(s) for s in seqs) - before, started - entered,
-                               choice == 0 or proposal.steady_rows == len(seqs),
+                               len(seqs) if choice == 0 else proposal.steady_rows,
                                [n for i, (n, _) in enumerate(outcomes) if i in looked_up])
 
     def _adopt_ssd(self) -> None:
