@@ -20,7 +20,7 @@ from collections import defaultdict
 from saguaro import LLM, SamplingParams
 from saguaro.bench.runner import BenchConfig, bench_prompts
 from saguaro.engine import decoders
-from saguaro.speculation import drafters
+from saguaro.speculation.local import drafters
 
 
 class Timers:

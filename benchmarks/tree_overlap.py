@@ -18,8 +18,8 @@ from drafts import InProcessDraft, worker_config  # tests/drafts.py
 from saguaro import LLM, SamplingParams
 from saguaro.datasets import sharegpt_first_turns
 from saguaro.engine.sequence import Sequence
-from saguaro.speculation.speculator import Speculator
-from saguaro.speculation.ssd import SSDDecoder
+from saguaro.speculation.worker.speculator import Speculator
+from saguaro.speculation.remote.ssd import SSDDecoder
 
 K, FAN_OUT, SAMPLES, NEW_TOKENS = 5, [2] * 6, 8, 64
 

@@ -7,10 +7,10 @@ import torch
 from saguaro.config import SpeculativeConfig
 from saguaro.models.llama import LlamaModel
 from saguaro.speculation.build import sd_drafter
-from saguaro.speculation.client import WorkerConfig
+from saguaro.speculation.remote.client import WorkerConfig
 from saguaro.speculation.protocol import Hello, Prefill, Release, Speculation, SpecRequest
 from saguaro.speculation.sd import SDDecoder
-from saguaro.speculation.worker import DraftServer
+from saguaro.speculation.worker.server import DraftServer
 
 
 def sd_decoder(target: LlamaModel, draft: LlamaModel, k: int, prompt_lookup: int | None = None) -> SDDecoder:

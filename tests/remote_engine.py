@@ -15,8 +15,8 @@ from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models.loader import load_checkpoint
-from saguaro.speculation.client import DraftClient, WorkerConfig
-from saguaro.speculation.ssd import SSDDecoder
+from saguaro.speculation.remote.client import DraftClient, WorkerConfig
+from saguaro.speculation.remote.ssd import SSDDecoder
 
 NEW_TOKENS = 8
 

@@ -21,12 +21,12 @@ from saguaro.engine import decoders
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.loader import save_checkpoint
-from saguaro.speculation import auto as auto_module
-from saguaro.speculation.auto import (REFRESH_ROUNDS, SSD, SSD_MIN_ROUNDS, AutoDecoder, Controller, CoreShare,
+from saguaro.speculation.policy import auto as auto_module
+from saguaro.speculation.policy.auto import (REFRESH_ROUNDS, SSD, SSD_MIN_ROUNDS, AutoDecoder, Controller, CoreShare,
                                      RowCosts, SSDLauncher, batch_bucket)
 from saguaro.speculation.build import sd_drafter
-from saguaro.speculation.client import usable_cores, use_cores
-from saguaro.speculation.ssd import SSDDecoder
+from saguaro.system import usable_cores, use_cores
+from saguaro.speculation.remote.ssd import SSDDecoder
 from stats import ks_pvalue, teacher_forced_pit
 from test_exactness import (ALPHA, TINY_K, TINY_V, draft, residual_is_p, sampled, target, tiny_outputs,  # noqa: F401
                              tiny_prompts)

@@ -1,4 +1,4 @@
-"""Several draft workers for one target (saguaro.speculation.pool): requests are shared out, the
+"""Several draft workers for one target (saguaro.speculation.remote.pool): requests are shared out, the
 output stays exact (greedy equality with AR on real prompts; the distribution test, with a lost
 worker's requests on n-gram speculation, and its control), and a worker's loss touches only its
 own requests."""
@@ -13,10 +13,10 @@ from drafts import worker_config
 from saguaro import SamplingParams
 from saguaro.engine import decoders
 from saguaro.engine.sequence import Sequence
-from saguaro.speculation.client import DraftClient
-from saguaro.speculation.planning import uniform_fan_out
-from saguaro.speculation.pool import DraftPool
-from saguaro.speculation.ssd import SSDDecoder
+from saguaro.speculation.remote.client import DraftClient
+from saguaro.speculation.policy.planning import uniform_fan_out
+from saguaro.speculation.remote.pool import DraftPool
+from saguaro.speculation.remote.ssd import SSDDecoder
 from stats import ks_pvalue, teacher_forced_pit
 from test_exactness import ALPHA, residual_is_p
 from test_ssd import (WORKER_FAN_OUT, WORKER_K, WORKER_NEW, decode_all, draft_path, peaked_draft_dir,  # noqa: F401

@@ -16,9 +16,9 @@ from saguaro.models.config import ModelConfig
 from saguaro.models.eagle import EagleDraft
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.loader import load_checkpoint
-from saguaro.speculation.auto import AutoDecoder
+from saguaro.speculation.policy.auto import AutoDecoder
 from saguaro.speculation.build import sd_drafter
-from saguaro.speculation.ssd import SSDDecoder
+from saguaro.speculation.remote.ssd import SSDDecoder
 from test_exactness import TINY_V, tiny_model
 from test_ssd import ALPHA, NO_CANDIDATES, SSD_K, decode_all, saved_draft, ssd_pvalue
 
@@ -151,7 +151,7 @@ def test_ssd_with_an_eagle_draft_is_exact(target, eagle_dir, path):
 
 
 def test_features_cross_the_wire_to_a_worker_process(target, eagle_dir):
-    from saguaro.speculation.client import DraftClient
+    from saguaro.speculation.remote.client import DraftClient
 
     config = worker_config(str(eagle_dir), "float32", K, [TINY_V - 1] * (K + 1), timeout_s=30)
     decoder = SSDDecoder(target, DraftClient(config, None), backup="neural")

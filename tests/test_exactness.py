@@ -21,7 +21,7 @@ from saguaro.models import native
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel
 from saguaro.models.quantized import quantized_linear
-from saguaro.speculation import drafters
+from saguaro.speculation.local import drafters
 from stats import MisreportedProposal, ks_pvalue, randomized_pit, teacher_forced_pit
 
 # A test of an exact decoder fails with this probability (its KS p-value falls below it by

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from saguaro.speculation.planning import (SpeedModel, acceptance_rate, fit_power_law, geometric_fan_out, outcome_probs,
+from saguaro.speculation.policy.planning import (SpeedModel, acceptance_rate, fit_power_law, geometric_fan_out, outcome_probs,
                                   uniform_fan_out)
 
 
@@ -50,7 +50,7 @@ def test_fast_backup_wins_only_from_the_critical_batch_size_on():
 
 
 def test_branch_budget_follows_the_measured_fill_time():
-    from saguaro.speculation.ssd import GeometricPlan
+    from saguaro.speculation.remote.ssd import GeometricPlan
 
     plan = GeometricPlan(budget=16, power_law_r=0.5, target_t_p=0.9)
     assert plan.next_budget(16, t_p=1.8) == 8  # fill took twice the target: halve the branches
@@ -64,7 +64,7 @@ def decoder_with(stats, backup: str = "auto"):
     """The parts of an SSDDecoder that choose a backup, without a draft worker behind them."""
     from types import SimpleNamespace
 
-    from saguaro.speculation.ssd import SSDDecoder
+    from saguaro.speculation.remote.ssd import SSDDecoder
 
     decoder = SimpleNamespace(backup=backup, stats=stats, k=5)
     decoder.speed_model = lambda: SSDDecoder.speed_model(decoder)
@@ -73,7 +73,7 @@ def decoder_with(stats, backup: str = "auto"):
 
 
 def measured(hit=3.0, neural=2.0, fast=2.0, neural_s=0.010, misses=8):
-    from saguaro.speculation.ssd import SSDStats
+    from saguaro.speculation.remote.ssd import SSDStats
 
     return SSDStats(hit_lengths=[hit] * 20, miss_lengths={"neural": [neural] * misses, "fast": [fast] * misses},
                     verify_s=[0.030] * 20, t_p=[0.8] * 20,
@@ -81,7 +81,7 @@ def measured(hit=3.0, neural=2.0, fast=2.0, neural_s=0.010, misses=8):
 
 
 def test_auto_backup_tries_both_before_trusting_the_speed_model():
-    from saguaro.speculation.ssd import EXPLORE_MISSES
+    from saguaro.speculation.remote.ssd import EXPLORE_MISSES
 
     decoder = decoder_with(measured(misses=0))
     tried = []
@@ -107,7 +107,7 @@ def test_backup_time_is_measured_only_on_rounds_that_ran_a_backup():
     from types import SimpleNamespace
 
     from saguaro.speculation.protocol import Speculation
-    from saguaro.speculation.ssd import SSDDecoder, SSDStats
+    from saguaro.speculation.remote.ssd import SSDDecoder, SSDStats
 
     decoder = SimpleNamespace(stats=SSDStats())
     seq = SimpleNamespace(stats=SimpleNamespace(cache_hits=[]))

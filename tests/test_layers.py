@@ -3,6 +3,8 @@ two packages import each other (docs/DESIGN.md, "Layout")."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "saguaro"
 # Lowest first. A module belongs to the longest prefix listed; it may import from its own layer
 # and the layers below.
 LAYERS = [
-    ["saguaro.config", "saguaro.datasets"],
+    ["saguaro.config", "saguaro.datasets", "saguaro.system"],
     ["saguaro.models"],
     ["saguaro.engine"],
     ["saguaro.speculation"],
@@ -102,16 +104,38 @@ def test_the_check_catches_an_upward_import_and_a_cycle(tmp_path):
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(path.read_text())
     runner = copy / "engine" / "runner.py"
-    runner.write_text(runner.read_text() + "\nfrom saguaro.speculation.ssd import SSDDecoder\n")
+    runner.write_text(runner.read_text() + "\nfrom saguaro.speculation.remote.ssd import SSDDecoder\n")
     found = violations(package_modules(copy))
-    assert any("saguaro.engine.runner (layer 2) imports saguaro.speculation.ssd" in v for v in found)
+    assert any("saguaro.engine.runner (layer 2) imports saguaro.speculation.remote.ssd" in v for v in found)
     assert any("saguaro.engine and saguaro.speculation import each other" in v for v in found)
     lazy = copy / "models" / "hub.py"
     lazy.write_text(lazy.read_text() + "\n\ndef f():\n    from ..llm import LLM\n")
     assert any("saguaro.models.hub (layer 1) imports saguaro.llm" in v for v in violations(package_modules(copy)))
 
 
-@pytest.mark.parametrize("module, layer", [("saguaro.speculation.ssd", 3), ("saguaro.llm", 4),
+@pytest.mark.parametrize("module, layer", [("saguaro.speculation.remote.ssd", 3), ("saguaro.llm", 4),
                                            ("saguaro", 4), ("saguaro.config", 0)])
 def test_modules_land_in_their_layer(module, layer):
     assert layer_of(module)[0] == layer
+
+
+# What runs only in the engine's process: the draft worker must load none of it.
+ENGINE_SIDE = ("saguaro.llm", "saguaro.engine.loop", "saguaro.engine.decoders", "saguaro.speculation.remote",
+               "saguaro.speculation.policy", "saguaro.speculation.build", "saguaro.speculation.sd",
+               "saguaro.server", "saguaro.bench")
+
+
+def engine_side_modules_loaded_by(module: str) -> list[str]:
+    """The engine-side modules a fresh interpreter holds after importing `module`."""
+    code = f"import sys, {module}; print(' '.join(m for m in sys.modules if m.startswith('saguaro')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    return sorted(m for m in loaded if any(m == side or m.startswith(side + ".") for side in ENGINE_SIDE))
+
+
+def test_the_draft_worker_process_loads_nothing_of_the_engine_side():
+    assert engine_side_modules_loaded_by("saguaro.speculation.worker.server") == []
+
+
+def test_the_worker_check_sees_the_engine_side():
+    """Control: the engine's SSD client is engine-side, and so is what it imports."""
+    assert "saguaro.speculation.remote.client" in engine_side_modules_loaded_by("saguaro.speculation.remote.client")

@@ -1,5 +1,5 @@
 """Prompt lookup finds the latest earlier occurrence of the text's last n tokens."""
-from saguaro.speculation.lookup import lookup, ngram_guess
+from saguaro.speculation.local.lookup import lookup, ngram_guess
 
 
 def test_lookup_copies_what_followed_the_latest_match():

@@ -6,7 +6,7 @@ import torch
 from saguaro import SamplingParams
 from saguaro.engine.loop import Engine
 from saguaro.engine.sequence import Sequence
-from saguaro.speculation.cache import SpeculationCache
+from saguaro.speculation.worker.cache import SpeculationCache
 from test_scheduler import CountingDecoder, CountingTokenizer
 
 

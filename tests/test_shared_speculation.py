@@ -14,8 +14,8 @@ from saguaro.engine.runner import forward_chunks
 from saguaro.engine.sampler import SamplingParams, WarpParams, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.models.kv_cache import new_cache
-from saguaro.speculation.cache import SpeculationCache
-from saguaro.speculation.ssd import SSDDecoder
+from saguaro.speculation.worker.cache import SpeculationCache
+from saguaro.speculation.remote.ssd import SSDDecoder
 from stats import ks_pvalue, teacher_forced_pit
 from test_exactness import ALPHA, PROMPT, residual_is_p
 from test_ssd import decode_all, tiny_draft_dir, tiny_target  # noqa: F401

@@ -27,11 +27,11 @@ from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.llama import scatter_to_vocab
 from saguaro.models.loader import save_checkpoint
-from saguaro.speculation import speculator
-from saguaro.speculation.client import DraftClient
-from saguaro.speculation.speculator import saguaro_sigma
+from saguaro.speculation.worker import speculator
+from saguaro.speculation.remote.client import DraftClient
+from saguaro.speculation.worker.speculator import saguaro_sigma
 from saguaro.speculation.protocol import SparseProbs, dense_probs
-from saguaro.speculation.ssd import SSDDecoder, SSDStats
+from saguaro.speculation.remote.ssd import SSDDecoder, SSDStats
 from stats import MisreportedProposal, ks_pvalue, sharpen, teacher_forced_pit
 from test_exactness import ALPHA, PROMPT, REDUCED_HEAD, TINY_V, residual_is_p, tiny_model
 
@@ -178,7 +178,7 @@ def test_ssd_check_catches_top_tokens_kept_without_renormalizing(tiny_target, ti
 
 def test_ssd_check_catches_draft_distributions_placed_on_the_wrong_tokens(tiny_target, reduced_draft_dir,
                                                                            monkeypatch):
-    from saguaro.speculation import ssd
+    from saguaro.speculation.remote import ssd
 
     def sorted_map(probs, token_ids, vocab_size, fill=0.0):
         return scatter_to_vocab(probs, token_ids.sort().values, vocab_size, fill)
@@ -287,7 +287,7 @@ def test_worker_check_catches_a_bias_of_two_percent(tiny_target, peaked_draft_di
 # --- the real model and a real worker process ---------------------------------------------------
 
 def ssd_decoder(llm, draft_dir, backup: str, budget: int = 4, prompt_lookup: int | None = None) -> SSDDecoder:
-    from saguaro.speculation.planning import uniform_fan_out
+    from saguaro.speculation.policy.planning import uniform_fan_out
 
     config = worker_config(str(draft_dir), "float32", 4, uniform_fan_out(budget, 4), cpus=None, timeout_s=60,
                           prompt_lookup=prompt_lookup)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
-from saguaro.speculation.auto import AutoDecoder, Choice
+from saguaro.speculation.policy.auto import AutoDecoder, Choice
 
 
 @dataclass

@@ -27,11 +27,11 @@ from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
 from saguaro.models import hub
 from saguaro.models.loader import load_draft
-from saguaro.speculation.auto import AutoDecoder
+from saguaro.speculation.policy.auto import AutoDecoder
 from saguaro.speculation.build import auto_ssd, draft_path, sd_drafter
-from saguaro.speculation.client import usable_cores, use_cores
+from saguaro.system import usable_cores, use_cores
 from saguaro.speculation.sd import SDDecoder
-from saguaro.speculation.ssd import SSDStats
+from saguaro.speculation.remote.ssd import SSDStats
 
 METHODS = (*SPECULATIVE_METHODS, "hf", "hf-assisted", "llamacpp")
 DATASETS = ("humaneval", "sharegpt", "random")
@@ -238,7 +238,7 @@ def fan_out_sweep(config: BenchConfig, prompts: list[list[int]], bar: tqdm | Non
                   temperature: float = 0.0) -> dict:
     """SSD's cache hit rate against a uniform fan-out F (F candidates per accepted length,
     batch 1), and the power law 1 - p_hit = F^-r fitted to it (Definition 11)."""
-    from saguaro.speculation.planning import fit_power_law
+    from saguaro.speculation.policy.planning import fit_power_law
 
     fan_outs, k = config.fan_out_sweep, config.speculative.num_speculative_tokens
     llm = LLM(config.model, replace(config.speculative, method="ssd", fan_out=[max(fan_outs)] * (k + 1)),

@@ -12,8 +12,8 @@ from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel
-from saguaro.speculation.drafters import model_drafter
-from saguaro.speculation.planning import acceptance_rate
+from saguaro.speculation.local.drafters import model_drafter
+from saguaro.speculation.policy.planning import acceptance_rate
 from saguaro.speculation.sd import SDDecoder
 
 

@@ -18,13 +18,14 @@ from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
 from saguaro.models.loader import IncompatibleDraftError, load_draft
 from saguaro.models.prefix_cache import new_prefix_cache
-from saguaro.speculation.auto import AutoDecoder, CoreShare, SSDLauncher
-from saguaro.speculation.client import DraftClient, WorkerConfig, split_cores, usable_cores, use_cores
-from saguaro.speculation.drafters import Drafter, PromptLookupDrafter, model_drafter
-from saguaro.speculation.planning import GeometricPlan, geometric_fan_out, uniform_fan_out
-from saguaro.speculation.pool import DraftPool
+from saguaro.speculation.policy.auto import AutoDecoder, CoreShare, SSDLauncher
+from saguaro.system import split_cores, usable_cores, use_cores
+from saguaro.speculation.remote.client import DraftClient, WorkerConfig
+from saguaro.speculation.local.drafters import Drafter, PromptLookupDrafter, model_drafter
+from saguaro.speculation.policy.planning import GeometricPlan, geometric_fan_out, uniform_fan_out
+from saguaro.speculation.remote.pool import DraftPool
 from saguaro.speculation.sd import SDDecoder
-from saguaro.speculation.ssd import SSDDecoder
+from saguaro.speculation.remote.ssd import SSDDecoder
 
 
 def draft_path(spec: SpeculativeConfig, model: str) -> Path | None:

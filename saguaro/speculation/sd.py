@@ -8,7 +8,7 @@ from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.sequence import Sequence
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
-from saguaro.speculation.drafters import Drafter, Proposal
+from saguaro.speculation.local.drafters import Drafter, Proposal
 
 
 class SDDecoder(ARDecoder):

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from saguaro.engine.sampler import SamplingParams
-from saguaro.speculation.client import DraftClient, replace_worker
-from saguaro.speculation.lookup import ngram_guess
+from saguaro.speculation.remote.client import DraftClient, replace_worker
+from saguaro.speculation.local.lookup import ngram_guess
 from saguaro.speculation.protocol import DraftUnavailable, Speculation, SpecRequest
 
 

@@ -13,10 +13,10 @@ import torch
 
 from saguaro.models.prefix_cache import new_prefix_cache
 from saguaro.models.loader import is_saguaro_checkpoint, load_checkpoint, load_model, resolve_dtype
-from saguaro.speculation.client import use_cores
+from saguaro.system import use_cores
 from saguaro.speculation.protocol import (Channel, Hello, Prefill, Ready, Release, Shutdown, SparseProbs,
                                           Speculation, SpecRequest)
-from saguaro.speculation.speculator import Speculator
+from saguaro.speculation.worker.speculator import Speculator
 
 
 def load_draft_model(hello: Hello, device: str):

@@ -18,8 +18,8 @@ from saguaro.engine.runner import forward_chunks, last_hidden
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
-from saguaro.speculation.cache import Outcome, SpeculationCache
-from saguaro.speculation.drafters import NGramDrafter, PromptLookupDrafter, model_drafter
+from saguaro.speculation.worker.cache import Outcome, SpeculationCache
+from saguaro.speculation.local.drafters import NGramDrafter, PromptLookupDrafter, model_drafter
 
 
 @dataclass

@@ -23,10 +23,11 @@ from saguaro.engine.sequence import Sequence
 from saguaro.engine.verify import point_masses
 from saguaro.models.llama import LlamaModel, scatter_to_vocab
 from saguaro.models.prefix_cache import PrefixCache
-from saguaro.speculation.client import DraftClient, replace_worker, use_cores
-from saguaro.speculation.drafters import FeatureLog
-from saguaro.speculation.planning import GeometricPlan, SpeedModel
-from saguaro.speculation.pool import DraftPool
+from saguaro.system import use_cores
+from saguaro.speculation.remote.client import DraftClient, replace_worker
+from saguaro.speculation.local.drafters import FeatureLog
+from saguaro.speculation.policy.planning import GeometricPlan, SpeedModel
+from saguaro.speculation.remote.pool import DraftPool
 from saguaro.speculation.protocol import DraftUnavailable, SpecRequest, dense_probs
 
 EXPLORE_MISSES = 8  # misses each backup is tried on before auto trusts the speed model

@@ -20,7 +20,7 @@ from saguaro.engine.verify import point_masses
 from saguaro.models.kv_cache import CacheRows, KVCache, ensure_cache
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
-from saguaro.speculation.lookup import lookups, ngram_guess
+from saguaro.speculation.local.lookup import lookups, ngram_guess
 
 # reshape(i, probs, logits) -> the distribution draft token i is really sampled from
 Reshape = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]

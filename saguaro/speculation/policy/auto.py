@@ -55,10 +55,10 @@ from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.sequence import Sequence
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
-from saguaro.speculation.client import use_cores, usable_cores
-from saguaro.speculation.drafters import Drafter
+from saguaro.system import use_cores, usable_cores
+from saguaro.speculation.local.drafters import Drafter
 from saguaro.speculation.sd import SDDecoder
-from saguaro.speculation.ssd import SSDDecoder
+from saguaro.speculation.remote.ssd import SSDDecoder
 
 SSD = "ssd"  # the controller's choice of an SSD round; the others are K = 0..K_max
 Choice = int | str

@@ -1,0 +1,1 @@
+"""Proposers that run in the engine's process."""

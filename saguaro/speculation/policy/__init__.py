@@ -1,0 +1,1 @@
+"""What chooses how each round speculates."""

@@ -1,0 +1,3 @@
+from saguaro.speculation.worker.server import main
+
+main()

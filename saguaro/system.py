@@ -1,0 +1,35 @@
+"""The cores this process runs on: what SSD's worker and the target share on one machine."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def use_cores(cores: set[int], threads: int) -> None:
+    """Runs torch on `threads` threads, pinned to `cores` where the OS allows it (Linux; not
+    macOS, which has no affinity calls)."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+
+
+def usable_cores() -> set[int]:
+    """The cores this process may run on: its affinity where the OS keeps one (Linux), else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
+def split_cores(draft_device: str, workers: int = 1) -> tuple[str | None, tuple[set[int], int] | None]:
+    """On CPU, the draft workers get the last cores (one each, as far as one core is left) and
+    this process keeps the others, so drafting and verifying really run in parallel. Returns
+    the workers' cores and this process's cores and threads before (for use_cores to give them
+    back), or Nones."""
+    cores = sorted(usable_cores())
+    if draft_device != "cpu" or len(cores) < 2:
+        return None, None
+    before = set(cores), torch.get_num_threads()
+    kept = max(1, len(cores) - workers)
+    use_cores(set(cores[:kept]), kept)
+    return ",".join(map(str, cores[kept:])), before
