@@ -19,7 +19,7 @@ from collections import defaultdict
 
 from saguaro import LLM, SamplingParams
 from saguaro.bench.runner import BenchConfig, bench_prompts
-from saguaro.engine import decoders
+from saguaro.engine import verifier
 from saguaro.speculation.local import drafters
 
 
@@ -44,13 +44,14 @@ class Timers:
         llm.target.logits = self.wrap(lambda h: f"target head, {h.shape[:-1].numel()} rows", llm.target.logits)
         decoder = llm.decoder
         if decoder.num_speculative_tokens:
-            decoder.drafter.propose = self.wrap(lambda *a: "draft", decoder.drafter.propose)
-            decoder.verify_and_commit = self.wrap(lambda *a: "verify and commit", decoder.verify_and_commit)
+            drafter = decoder.policy.choice.proposer.drafter
+            drafter.propose = self.wrap(lambda *a: "draft", drafter.propose)
+            decoder.verifier.verify = self.wrap(lambda *a: "verify and commit", decoder.verifier.verify)
         decoder.step = self.wrap(lambda *a: "round", decoder.step)
 
     def attach_passes(self) -> None:
         rows = lambda model, cache, rows, chunks, *rest: max(len(c) for c in chunks)  # noqa: E731
-        decoders.forward_chunks = self.wrap(lambda *a: f"target pass, {rows(*a)} tokens", decoders.forward_chunks)
+        verifier.forward_chunks = self.wrap(lambda *a: f"target pass, {rows(*a)} tokens", verifier.forward_chunks)
         drafters.forward_chunks = self.wrap(lambda *a: f"draft pass, {rows(*a)} tokens", drafters.forward_chunks)
 
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drafts import InProcessDraft, worker_config  # tests/drafts.py
+from drafts import InProcessDraft, ssd_decoder, worker_config  # tests/drafts.py
 from saguaro import LLM, SamplingParams
 from saguaro.datasets import sharegpt_first_turns
 from saguaro.engine.sequence import Sequence
 from saguaro.speculation.worker.speculator import Speculator
-from saguaro.speculation.remote.ssd import SSDDecoder
 
 K, FAN_OUT, SAMPLES, NEW_TOKENS = 5, [2] * 6, 8, 64
 
@@ -54,8 +53,8 @@ def main() -> None:
         Speculator._decode_tree = counting_tree_rows(counts)
         for prompt in prompts:
             for seed in range(2):
-                decoder = SSDDecoder(llm.target, InProcessDraft(worker_config(draft, "bfloat16", K, FAN_OUT),
-                                                                embeddings), "neural")
+                decoder = ssd_decoder(llm.target, InProcessDraft(worker_config(draft, "bfloat16", K, FAN_OUT),
+                                                                 embeddings), "neural")
                 seqs = [Sequence(i, prompt, SamplingParams(temperature=temperature, max_tokens=NEW_TOKENS,
                                                            seed=100 * seed + i, ignore_eos=True), [])
                         for i in range(SAMPLES)]

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
 
 METHODS = ("ar", "sd", "ssd", "auto")
-BACKUPS = ("auto", "neural", "fast")
+
+
+class Backup(StrEnum):
+    """SSD's speculation on a cache miss."""
+    NEURAL = "neural"  # the draft drafts it now
+    FAST = "fast"  # the n-gram guess, at no model cost
+    AUTO = "auto"  # neural below the critical batch size, fast above (chosen round by round)
+
+
+BACKUPS = tuple(b.value for b in Backup)
 FAN_OUTS = ("geometric", "uniform")
 
 
@@ -31,7 +41,7 @@ class SpeculativeConfig:
                                                     "bonus tokens per accepted length", group="ssd")
     fan_out_budget: int = _option(16, "cached branches per request", group="ssd")
     saguaro_c: float = _option(1.0, "Saguaro sampling constant C (1 = off)", group="ssd")
-    backup: str = _option("auto", "speculation on a cache miss: neural (draft now), fast (n-gram), or auto "
+    backup: Backup = _option(Backup.AUTO, "speculation on a cache miss: neural (draft now), fast (n-gram), or auto "
                                   "(by batch size)", group="ssd", choices=BACKUPS)
     draft_device: str = _option("cpu", "the draft worker's device", group="ssd")
     draft_address: str | None = _option(None, "HOST:PORT to await a worker started elsewhere "
@@ -57,6 +67,7 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be >= 1")
         if self.backup not in BACKUPS:
             raise ValueError(f"backup must be one of {', '.join(BACKUPS)}")
+        self.backup = Backup(self.backup)
         if self.proposal_top < 0:
             raise ValueError("proposal_top must be >= 0")
         if self.share_window < 0:

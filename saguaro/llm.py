@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 from saguaro.config import SpeculativeConfig, add_speculative_arguments, speculative_config_from_args
-from saguaro.engine.decoders import Decoder
+from saguaro.engine.round import Decoder
 from saguaro.engine.loop import Engine
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence

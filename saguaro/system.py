@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -33,3 +34,23 @@ def split_cores(draft_device: str, workers: int = 1) -> tuple[str | None, tuple[
     kept = max(1, len(cores) - workers)
     use_cores(set(cores[:kept]), kept)
     return ",".join(map(str, cores[kept:])), before
+
+
+@dataclass
+class CoreShare:
+    """The cores and threads the target runs on: all of them for AR and SD, fewer for SSD
+    where its draft worker holds one of this machine's cores."""
+    all: tuple[set[int], int]
+    ssd: tuple[set[int], int]
+
+    @classmethod
+    def of(cls, worker_cpus: str | None) -> CoreShare:
+        everything = usable_cores(), torch.get_num_threads()
+        if worker_cpus is None:  # the worker is elsewhere: SSD keeps every core
+            return cls(everything, everything)
+        rest = everything[0] - {int(c) for c in worker_cpus.split(",")}
+        return cls(everything, (rest, max(1, min(everything[1], len(rest)))))
+
+    @property
+    def ratio(self) -> float:
+        return self.all[1] / self.ssd[1]

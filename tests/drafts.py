@@ -4,26 +4,43 @@ from __future__ import annotations
 
 import torch
 
-from saguaro.config import SpeculativeConfig
+from saguaro.config import Backup, SpeculativeConfig
+from saguaro.engine.round import Decoder
 from saguaro.models.llama import LlamaModel
-from saguaro.speculation.build import sd_drafter
-from saguaro.speculation.remote.client import WorkerConfig
-from saguaro.speculation.protocol import Hello, Prefill, Release, Speculation, SpecRequest
-from saguaro.speculation.sd import SDDecoder
+from saguaro.speculation import build
+from saguaro.speculation.local.drafters import Drafter
+from saguaro.speculation.policy.auto import AutoPolicy
+from saguaro.speculation.policy.planning import GeometricPlan
+from saguaro.speculation.protocol import DraftSpec, Hello, Prefill, Release, Speculation, SpecRequest
+from saguaro.speculation.remote.client import DraftClient, WorkerConfig
+from saguaro.speculation.remote.pool import DraftPool
+from saguaro.speculation.remote.proposer import RemoteProposer
 from saguaro.speculation.worker.server import DraftServer
 
 
-def sd_decoder(target: LlamaModel, draft: LlamaModel, k: int, prompt_lookup: int | None = None) -> SDDecoder:
-    return SDDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k,
-                                                                 prompt_lookup=prompt_lookup)))
+def sd_decoder(target: LlamaModel, draft: LlamaModel, k: int, prompt_lookup: int | None = None) -> Decoder:
+    return build.sd_decoder(target, build.sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k,
+                                                                               prompt_lookup=prompt_lookup)))
 
 
 def worker_config(draft: str, dtype: str, k: int, fan_out: list[int], saguaro_c: float = 1.0, *,
                   prompt_lookup: int | None = None, address: str | None = None, proposal_top: int = 256,
-                  share_window: int = 0, **worker) -> WorkerConfig:
+                  share_window: int = 0, prefix_cache_mb: float = 0.0, **worker) -> WorkerConfig:
     spec = SpeculativeConfig("ssd", draft, k, prompt_lookup, fan_out, saguaro_c=saguaro_c, draft_address=address,
                              proposal_top=proposal_top, share_window=share_window)
-    return WorkerConfig(spec, dtype, **worker)
+    return WorkerConfig(DraftSpec(spec, dtype, prefix_cache_mb), **worker)
+
+
+def ssd_decoder(target: LlamaModel, clients: DraftClient | InProcessDraft | list, backup: Backup | str = Backup.AUTO,
+                plan: GeometricPlan | None = None) -> Decoder:
+    """SSD over one worker (or a list of several), as the engine builds it."""
+    pool = DraftPool(clients if isinstance(clients, list) else [clients])
+    return build.ssd_decoder(RemoteProposer(pool, backup, plan, target.config.vocab_size), target)
+
+
+def ssd_of(decoder: Decoder) -> RemoteProposer:
+    """The SSD proposer of a decoder built by ssd_decoder (or of method="ssd")."""
+    return decoder.policy.choice.proposer
 
 
 class InProcessDraft:
@@ -31,20 +48,37 @@ class InProcessDraft:
 
     def __init__(self, config: WorkerConfig, embeddings: torch.Tensor | None):
         self.config = config
-        self.server = DraftServer(Hello(config.speculative, config.dtype, embeddings), config.speculative.draft_device)
+        self.server = DraftServer(Hello(config.draft, embeddings), config.draft.speculative.draft_device)
         self.ready = self.server.ready
         self.alive = True
 
     def prefill(self, seq_ids, token_ids, params, max_len, num_rows, features=None) -> None:
         self.server.handle(Prefill(seq_ids, token_ids, params, max_len, num_rows, features))
 
-    def speculate(self, request: SpecRequest) -> Speculation:
+    def ask(self, request: SpecRequest) -> Speculation:
         reply = self.server.handle(request)
         self.server.fill()
+        return reply
+
+    def answer(self, reply: Speculation) -> Speculation:
         return reply
 
     def release(self, seq_ids: list[int]) -> None:
         self.server.handle(Release(seq_ids))
 
+    def abandon(self) -> None:
+        self.alive = False
+
     def close(self) -> None:
         self.alive = False
+
+
+def worker_of(decoder: Decoder, lane: int = 0) -> DraftClient:
+    """The client of an SSD decoder's worker (its first, or the lane-th)."""
+    return ssd_of(decoder).pool.lanes[lane].client
+
+
+def drafter_of(decoder: Decoder) -> Drafter:
+    """The drafter of an SD or auto decoder."""
+    policy = decoder.policy
+    return (policy.draft if isinstance(policy, AutoPolicy) else policy.choice.proposer).drafter

@@ -11,12 +11,14 @@ import sys
 import torch
 
 from saguaro.config import SpeculativeConfig
-from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models.loader import load_checkpoint
+from saguaro.speculation.build import ar_decoder
+from saguaro.speculation.protocol import DraftSpec
 from saguaro.speculation.remote.client import DraftClient, WorkerConfig
-from saguaro.speculation.remote.ssd import SSDDecoder
+
+from drafts import ssd_decoder, ssd_of
 
 NEW_TOKENS = 8
 
@@ -35,14 +37,14 @@ def main(target_dir: str, draft_dir: str, address: str, prompts_json: str) -> No
     target = load_checkpoint(target_dir, torch.float32)
     prompts = json.loads(prompts_json)
     spec = SpeculativeConfig("ssd", draft_dir, 2, fan_out=[1, 1, 1], draft_address=address)
-    client = DraftClient(WorkerConfig(spec, "float32", timeout_s=60, startup_timeout_s=60), None)
-    ssd = SSDDecoder(target, client, backup="neural")
+    client = DraftClient(WorkerConfig(DraftSpec(spec, "float32"), timeout_s=60, startup_timeout_s=60), None)
+    ssd = ssd_decoder(target, client, backup="neural")
     try:
         got = greedy(ssd, prompts)
-        channel = ssd.client.channel
-        report = {"ssd": got, "ar": greedy(ARDecoder(target), prompts), "rounds": len(ssd.stats.verify_s),
-                  "bytes_sent": channel.bytes_sent, "bytes_received": channel.bytes_received,
-                  "wait_s_median": statistics.median(ssd.stats.wait_s), "worker_pid": ssd.client.ready.pid}
+        stats = ssd_of(ssd).stats
+        report = {"ssd": got, "ar": greedy(ar_decoder(target), prompts), "rounds": len(stats.verify_s),
+                  "bytes_sent": client.channel.bytes_sent, "bytes_received": client.channel.bytes_received,
+                  "wait_s_median": statistics.median(stats.wait_s), "worker_pid": client.ready.pid}
     finally:
         ssd.close()
     print(json.dumps(report))

@@ -13,20 +13,23 @@ import pytest
 import torch
 
 from conftest import NEW_TOKENS
-from drafts import InProcessDraft, worker_config
+from drafts import InProcessDraft, drafter_of, worker_config
 from saguaro import LLM, SamplingParams
 from saguaro.bench import plan
 from saguaro.config import SpeculativeConfig
-from saguaro.engine import decoders
+import saguaro.engine.verifier as verification
+from saguaro.engine.round import Decoder
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.loader import save_checkpoint
 from saguaro.speculation.policy import auto as auto_module
-from saguaro.speculation.policy.auto import (REFRESH_ROUNDS, SSD, SSD_MIN_ROUNDS, AutoDecoder, Controller, CoreShare,
-                                     RowCosts, SSDLauncher, batch_bucket)
+from saguaro.speculation import build
 from saguaro.speculation.build import sd_drafter
-from saguaro.system import usable_cores, use_cores
-from saguaro.speculation.remote.ssd import SSDDecoder
+from saguaro.speculation.policy.auto import (REFRESH_ROUNDS, SSD, SSD_MIN_ROUNDS, Controller, RowCosts, SSDLauncher,
+                                             batch_bucket)
+from saguaro.speculation.remote.pool import DraftPool
+from saguaro.speculation.remote.proposer import RemoteProposer
+from saguaro.system import CoreShare, usable_cores, use_cores
 from stats import ks_pvalue, teacher_forced_pit
 from test_exactness import (ALPHA, TINY_K, TINY_V, draft, residual_is_p, sampled, target, tiny_outputs,  # noqa: F401
                              tiny_prompts)
@@ -154,15 +157,15 @@ def test_a_restored_profile_spares_a_new_process_its_first_measurements():
 def test_auto_leaves_its_profile_for_the_next_decoder(target, draft, tmp_path):
     path = tmp_path / "profile.json"
     drafter = lambda: sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=TINY_K, prompt_lookup=0))  # noqa: E731
-    first = AutoDecoder(target, drafter(), profile=path)
+    first = build.auto_decoder(target, drafter(), profile=path)
     tiny_outputs(first, sampled(0.0, rows=2))
-    costs = first.controller.target.rows
+    costs = first.policy.controller.target.rows
     del first
     gc.collect()  # the profile is written when the decoder goes (and every PROFILE_ROUNDS rounds)
-    second = AutoDecoder(target, drafter(), profile=path)
-    assert costs and second.controller.target.rows == costs
+    second = build.auto_decoder(target, drafter(), profile=path)
+    assert costs and second.policy.controller.target.rows == costs
     path.write_text("{not json")
-    assert auto_module.read_profile(path) is None and not AutoDecoder(target, drafter(), profile=path).controller.target.rows
+    assert auto_module.read_profile(path) is None and not build.auto_decoder(target, drafter(), profile=path).policy.controller.target.rows
 
 
 def test_a_draft_catching_up_on_ar_rounds_does_not_set_the_draft_steps_cost(target, draft):
@@ -171,8 +174,9 @@ def test_a_draft_catching_up_on_ar_rounds_does_not_set_the_draft_steps_cost(targ
     through the draft, included)."""
     decoder = auto_decoder(target, draft, [1, 0, 0, 0] + [1] * 30)
     flags = []
-    record = decoder.controller.record
-    decoder.controller.record = lambda *args: (flags.append((args[1], args[7])), record(*args))
+    controller = decoder.policy.controller
+    record = controller.record
+    controller.record = lambda *args: (flags.append((args[1], args[7])), record(*args))
     tiny_outputs(decoder, sampled(0.0, rows=2))
     sd_rounds = [steady for k, steady in flags if k]
     assert len(sd_rounds) >= 3 and sd_rounds[0] and sd_rounds[1] == 0 and all(sd_rounds[2:])
@@ -359,15 +363,16 @@ def ready(result) -> Future:
     return future
 
 
-def auto_decoder(target, draft, schedule, ssd: SSDDecoder | None = None, k: int = TINY_K) -> AutoDecoder:
-    """An AutoDecoder whose choices follow `schedule` round after round (SSD from `ssd`)."""
+def auto_decoder(target, draft, schedule, ssd: RemoteProposer | None = None, k: int = TINY_K) -> Decoder:
+    """auto whose choices follow `schedule` round after round (SSD from `ssd`)."""
     launcher = None
     if ssd is not None:
         launcher = SSDLauncher(lambda: ready(ssd), CoreShare.of(None), sum(ssd.fan_out))
-    decoder = AutoDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k, prompt_lookup=0)),
-                          launcher)
+    decoder = build.auto_decoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k, prompt_lookup=0)),
+                                 launcher)
     choices = itertools.cycle(schedule)
-    decoder.controller.choose = lambda batch, can_try=True: decoder.controller._pick(next(choices))
+    controller = decoder.policy.controller
+    controller.choose = lambda batch, can_try=True: controller._pick(next(choices))
     return decoder
 
 
@@ -379,8 +384,9 @@ def draft_dir(draft, tmp_path_factory):
     return folder
 
 
-def in_process_ssd(target, draft_dir, fan_out: list[int]) -> SSDDecoder:
-    return SSDDecoder(target, InProcessDraft(worker_config(str(draft_dir), "float32", TINY_K, fan_out), None), "neural")
+def in_process_ssd(target, draft_dir, fan_out: list[int]) -> RemoteProposer:
+    client = InProcessDraft(worker_config(str(draft_dir), "float32", TINY_K, fan_out), None)
+    return RemoteProposer(DraftPool([client]), "neural", vocab_size=target.config.vocab_size)
 
 
 SWITCHING = [TINY_K, SSD, SSD, 0, SSD, 1]  # into SSD, on in SSD, out to AR, back into SSD, out to SD
@@ -397,7 +403,7 @@ def test_switching_k_between_rounds_is_exact(target, draft):
 
 
 def test_switching_check_catches_a_broken_acceptance_rule(target, draft, monkeypatch):
-    monkeypatch.setattr(decoders, "verify", residual_is_p)
+    monkeypatch.setattr(verification, "verify", residual_is_p)
     assert auto_pvalue(target, draft, sampled(1.0)) < ALPHA
 
 
@@ -406,19 +412,19 @@ def test_switching_between_ar_sd_and_ssd_is_exact(target, draft, draft_dir):
 
 
 def test_switching_with_ssd_check_catches_a_broken_acceptance_rule(target, draft, draft_dir, monkeypatch):
-    monkeypatch.setattr(decoders, "verify", residual_is_p)
+    monkeypatch.setattr(verification, "verify", residual_is_p)
     assert auto_pvalue(target, draft, sampled(1.0, rows=4_000), draft_dir) < ALPHA
 
 
 def test_the_drafter_runs_a_prompt_only_before_its_first_sd_round(target, draft):
     decoder = auto_decoder(target, draft, [0])
     drafted = []
-    decoder.drafter.prefill = lambda seqs: drafted.append([s.seq_id for s in seqs])
+    drafter_of(decoder).prefill = lambda seqs: drafted.append([s.seq_id for s in seqs])
     tiny_outputs(decoder, sampled(0.0, rows=3))
     assert drafted == []  # AR throughout: the draft never ran
     decoder = auto_decoder(target, draft, [0, 0, 1])
-    prefill = decoder.drafter.prefill
-    decoder.drafter.prefill = lambda seqs: (drafted.append([s.seq_id for s in seqs]), prefill(seqs))
+    prefill = drafter_of(decoder).prefill
+    drafter_of(decoder).prefill = lambda seqs: (drafted.append([s.seq_id for s in seqs]), prefill(seqs))
     tiny_outputs(decoder, sampled(0.0, rows=3))
     assert drafted == [[0, 1, 2]]  # once, at the third round
 
@@ -432,23 +438,25 @@ def test_a_loading_worker_keeps_the_target_off_its_core_and_its_rounds_are_forgo
         pytest.skip("one thread: the worker shares nothing")
     starting = Future()
     try:
-        decoder = AutoDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=TINY_K, prompt_lookup=0)),
-                              SSDLauncher(lambda: starting, CoreShare(everything, (everything[0], 1)), 8))
+        decoder = build.auto_decoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=TINY_K,
+                                                                                 prompt_lookup=0)),
+                                     SSDLauncher(lambda: starting, CoreShare(everything, (everything[0], 1)), 8))
+        auto, controller = decoder.policy, decoder.policy.controller
         assert torch.get_num_threads() == everything[1]  # no worker yet: it starts when SSD would pay
-        decoder.wait_for_ssd(start=False)
-        assert decoder.ssd_starting is None
-        decoder.controller.ssd_would_pay = lambda batch, ratio: True
+        auto.wait_for_ssd(start=False)
+        assert auto.ssd_starting is None
+        controller.ssd_would_pay = lambda batch, ratio: True
         tiny_outputs(decoder, sampled(0.0, rows=2))  # its first round starts the worker
-        assert decoder.ssd_starting is starting and decoder.launcher is None
+        assert auto.ssd_starting is starting and auto.launcher is None
         assert torch.get_num_threads() == 1  # the rounds after it ran while the worker loads
-        assert decoder.controller.measured and decoder.controller.target(1) is not None
+        assert controller.measured and controller.target(1) is not None
         assert torch.get_num_threads() == 1
         starting.set_exception(RuntimeError("no worker here"))  # the start ends (here: it failed)
         with pytest.warns(RuntimeWarning, match="without SSD"):
-            decoder._adopt_ssd()
+            auto._adopt_ssd()
         assert torch.get_num_threads() == everything[1]
-        assert not decoder.controller.measured and decoder.controller.target(1) is None
-        assert sum(decoder.controller.tried) > 0  # the acceptance measured meanwhile is kept
+        assert not controller.measured and controller.target(1) is None
+        assert sum(controller.tried) > 0  # the acceptance measured meanwhile is kept
     finally:
         use_cores(*everything)
 
@@ -456,10 +464,12 @@ def test_a_loading_worker_keeps_the_target_off_its_core_and_its_rounds_are_forgo
 def test_ssd_stints_hand_the_worker_what_it_lacks_and_give_the_cores_back(target, draft, draft_dir):
     ssd = in_process_ssd(target, draft_dir, [TINY_V - 1] * (TINY_K + 1))  # every bonus cached: hits
     decoder = auto_decoder(target, draft, [SSD, SSD, SSD, 1], ssd)
-    decoder.cores = CoreShare(decoder.cores.all, (decoder.cores.all[0], 1))
+    cores = decoder.policy.cores
+    ssd.cores = decoder.policy.cores = CoreShare(cores.all, (cores.all[0], 1))
     rounds, prefilled = [], []  # per round: the torch threads it ran on; the round of each worker prefill
-    send_prefill = ssd.client.prefill
-    ssd.client.prefill = lambda ids, *args: (prefilled.append((len(rounds), list(ids))), send_prefill(ids, *args))
+    client = ssd.pool.lanes[0].client
+    send_prefill = client.prefill
+    client.prefill = lambda ids, *args: (prefilled.append((len(rounds), list(ids))), send_prefill(ids, *args))
     step = decoder.step
 
     def counted_step(seqs):
@@ -472,7 +482,7 @@ def test_ssd_stints_hand_the_worker_what_it_lacks_and_give_the_cores_back(target
     decoder.prefill(seqs)
     while active := [s for s in seqs if not s.finished]:
         decoder.step(active)
-    assert [threads for threads, _ in rounds[:4]] == [1, 1, 1, decoder.cores.all[1]]  # SSD's cores, then all
+    assert [threads for threads, _ in rounds[:4]] == [1, 1, 1, cores.all[1]]  # SSD's cores, then all
     assert not rounds[3][1]  # leaving SSD: the worker forgot the sequences
     assert prefilled[0] == (0, [0, 1, 2])
     assert {at % 4 for at, _ in prefilled} == {0}  # only when a stint begins
@@ -483,7 +493,7 @@ def test_ssd_stints_hand_the_worker_what_it_lacks_and_give_the_cores_back(target
 def auto() -> LLM:
     """auto on the real model, with its SSD worker on the last core (where there are two)."""
     with LLM(hub.DEFAULT_MODEL, method="auto", dtype="float32") as llm:
-        llm.decoder.wait_for_ssd(start=True)
+        llm.decoder.policy.wait_for_ssd(start=True)
         yield llm
 
 
@@ -504,7 +514,7 @@ def test_auto_greedy_equals_ar_on_real_prompts(auto, prompts, ar_greedy):
 @needs_two_cores
 def test_plan_forecasts_each_batch_size_from_the_others_then_measures_it(auto, prompts):
     rows = plan.plan(auto, prompts[:2], [1, 2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    choices = auto.decoder.controller.choices()
+    choices = auto.decoder.policy.controller.choices()
     assert SSD in choices  # its worker holds a core of its own (the plan waits for it)
     assert [(r.batch, r.choice) for r in rows] == [(b, c) for b in (1, 2) for c in choices]
     assert all(r.measured_tok_s > 0 for r in rows)
@@ -515,7 +525,7 @@ def test_plan_forecasts_each_batch_size_from_the_others_then_measures_it(auto, p
 
 @needs_two_cores
 def test_auto_greedy_equals_ar_when_it_switches_into_and_out_of_ssd(auto, prompts, ar_greedy):
-    controller = auto.decoder.controller
+    controller = auto.decoder.policy.controller
     schedule = itertools.cycle([5] + [SSD] * SSD_MIN_ROUNDS + [0] + [SSD] * 3 + [2])
     controller.choose = lambda batch, can_try=True: controller._pick(next(schedule))
     try:

@@ -7,18 +7,16 @@ import itertools
 import pytest
 import torch
 
-from drafts import InProcessDraft, sd_decoder, worker_config
+from drafts import InProcessDraft, drafter_of, sd_decoder, ssd_decoder, ssd_of, worker_config
 from saguaro.config import SpeculativeConfig
-from saguaro.engine.decoders import ARDecoder
+from saguaro.engine.round import Decoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models.config import ModelConfig
 from saguaro.models.eagle import EagleDraft
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.loader import load_checkpoint
-from saguaro.speculation.policy.auto import AutoDecoder
-from saguaro.speculation.build import sd_drafter
-from saguaro.speculation.remote.ssd import SSDDecoder
+from saguaro.speculation.build import ar_decoder, auto_decoder, sd_drafter
 from test_exactness import TINY_V, tiny_model
 from test_ssd import ALPHA, NO_CANDIDATES, SSD_K, decode_all, saved_draft, ssd_pvalue
 
@@ -76,12 +74,13 @@ def proposals_match(target, draft, seqs, proposed, features_from_target=True) ->
     return True
 
 
-def auto_after_ar_rounds(target, draft, k: int) -> AutoDecoder:
+def auto_after_ar_rounds(target, draft, k: int) -> Decoder:
     """auto whose first two rounds are AR: the drafter first runs each prompt after them, with
     the hidden states the target kept meanwhile."""
-    decoder = AutoDecoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k, prompt_lookup=0)))
+    decoder = auto_decoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k, prompt_lookup=0)))
     choices = itertools.chain([0, 0], itertools.cycle([k, 1, 0]))
-    decoder.controller.choose = lambda batch, can_try=True: decoder.controller._pick(next(choices))
+    controller = decoder.policy.controller
+    controller.choose = lambda batch, can_try=True: controller._pick(next(choices))
     return decoder
 
 
@@ -90,16 +89,17 @@ def test_sd_drafts_from_the_targets_hidden_states(target, make_decoder):
     draft = tiny_eagle()
     decoder = make_decoder(target, draft, K)
     proposed = []
-    propose = decoder.drafter.propose
+    drafter = drafter_of(decoder)
+    propose = drafter.propose
 
     def recording(seqs):
         proposal = propose(seqs)
         proposed.extend((s.seq_id, len(s), t) for s, t in zip(seqs, proposal.tokens[:, 0].tolist()))
         return proposal
 
-    decoder.drafter.propose = recording
+    drafter.propose = recording
     seqs = greedy(decoder)
-    assert [s.output_ids for s in seqs] == [s.output_ids for s in greedy(ARDecoder(target))]
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in greedy(ar_decoder(target))]
     assert len(proposed) > len(PROMPTS) * 3
     assert proposals_match(target, draft, seqs, proposed)
     assert not proposals_match(target, draft, seqs, proposed, features_from_target=False)  # the check can fail
@@ -110,16 +110,16 @@ def test_ssd_worker_gets_the_targets_hidden_states(target, eagle_dir):
     drafted after the committed text from the features the target sent."""
     client = InProcessDraft(worker_config(str(eagle_dir), "float32", SSD_K, NO_CANDIDATES, 1.0), None)
     assert client.ready.reads_features
-    decoder = SSDDecoder(target, client, backup="neural")
+    decoder = ssd_decoder(target, client, backup="neural")
     proposed = []
-    speculate = client.speculate
+    ask = client.ask
 
     def recording(request):
-        reply = speculate(request)
-        proposed.extend((sid, len(seq_by_id[sid]), tokens[0]) for sid, tokens in zip(request.seq_ids, reply.tokens))
+        reply = ask(request)
+        proposed.extend((sid, len(seq_by_id[sid]), r.tokens[0]) for sid, r in zip(request.seq_ids, reply.requests))
         return reply
 
-    client.speculate = recording
+    client.ask = recording
     seq_by_id = {}
     prefill = decoder.prefill
 
@@ -130,7 +130,7 @@ def test_ssd_worker_gets_the_targets_hidden_states(target, eagle_dir):
     decoder.prefill = remember
     seqs = greedy(decoder)
     draft = load_checkpoint(eagle_dir)
-    assert [s.output_ids for s in seqs] == [s.output_ids for s in greedy(ARDecoder(target))]
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in greedy(ar_decoder(target))]
     assert proposals_match(target, draft, seqs, proposed)
     assert not proposals_match(target, draft, seqs, proposed, features_from_target=False)
 
@@ -138,10 +138,11 @@ def test_ssd_worker_gets_the_targets_hidden_states(target, eagle_dir):
 @pytest.mark.parametrize("backup", ["neural", "fast"])
 def test_ssd_with_an_eagle_draft_equals_ar_when_greedy(target, eagle_dir, backup):
     fan_out = [TINY_V - 1] * (K + 1)  # every outcome cached: every round after the first hits
-    decoder = SSDDecoder(target, InProcessDraft(worker_config(str(eagle_dir), "float32", K, fan_out, 1.0), None), backup)
+    decoder = ssd_decoder(target, InProcessDraft(worker_config(str(eagle_dir), "float32", K, fan_out, 1.0), None), backup)
     seqs = greedy(decoder)
-    assert [s.output_ids for s in seqs] == [s.output_ids for s in greedy(ARDecoder(target))]
-    assert decoder.stats.hit_lengths and not decoder.stats.miss_lengths[backup]
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in greedy(ar_decoder(target))]
+    stats = ssd_of(decoder).stats
+    assert stats.hit_lengths and not stats.miss_lengths[backup]
 
 
 @pytest.mark.parametrize("path", ["hit-c0.5", "miss-neural"])
@@ -154,29 +155,30 @@ def test_features_cross_the_wire_to_a_worker_process(target, eagle_dir):
     from saguaro.speculation.remote.client import DraftClient
 
     config = worker_config(str(eagle_dir), "float32", K, [TINY_V - 1] * (K + 1), timeout_s=30)
-    decoder = SSDDecoder(target, DraftClient(config, None), backup="neural")
+    decoder = ssd_decoder(target, DraftClient(config, None), backup="neural")
     try:
-        assert [s.output_ids for s in greedy(decoder)] == [s.output_ids for s in greedy(ARDecoder(target))]
-        assert decoder.stats.hit_lengths and not decoder.draft_lost
+        assert [s.output_ids for s in greedy(decoder)] == [s.output_ids for s in greedy(ar_decoder(target))]
+        assert ssd_of(decoder).stats.hit_lengths and ssd_of(decoder).pool.losses == 0
     finally:
         decoder.close()
 
 
 def test_a_request_that_ends_at_prefill_does_not_break_the_worker(target, eagle_dir):
-    """The worker still registers it, and needs the target's hidden states to do so."""
-    decoder = SSDDecoder(target, InProcessDraft(worker_config(str(eagle_dir), "float32", K, [1] * (K + 1), 1.0), None))
+    """It never reaches the worker: a sequence is handed over at its first round, with the
+    target's hidden states kept for it until then."""
+    decoder = ssd_decoder(target, InProcessDraft(worker_config(str(eagle_dir), "float32", K, [1] * (K + 1), 1.0), None))
     seqs = [Sequence(i, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), [])
             for i, (p, n) in enumerate(zip(PROMPTS, (1, 12, 12)))]
     decoder.reserve(len(seqs), 64)
     decode_all(decoder, seqs)
-    assert not decoder.draft_lost
-    assert [s.output_ids for s in seqs] == [s.output_ids[:n] for s, n in zip(greedy(ARDecoder(target)), (1, 12, 12))]
+    assert ssd_of(decoder).pool.losses == 0 and 0 not in ssd_of(decoder).outcomes
+    assert [s.output_ids for s in seqs] == [s.output_ids[:n] for s, n in zip(greedy(ar_decoder(target)), (1, 12, 12))]
 
 
 def test_sd_with_an_eagle_draft_is_exact(target, monkeypatch):
-    from saguaro.engine import decoders
+    import saguaro.engine.verifier as verification
     from test_exactness import residual_is_p, sampled, sd_pvalue
 
     assert sd_pvalue(target, tiny_eagle(), sampled(1.0)) > ALPHA
-    monkeypatch.setattr(decoders, "verify", residual_is_p)  # a broken acceptance rule must show
+    monkeypatch.setattr(verification, "verify", residual_is_p)  # a broken acceptance rule must show
     assert sd_pvalue(target, tiny_eagle(), sampled(1.0)) < ALPHA

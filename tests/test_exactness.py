@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from drafts import sd_decoder
-from saguaro.engine import decoders
+import saguaro.engine.verifier as verification
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.verify import verify, verify_greedy
@@ -174,7 +174,7 @@ def test_ks_pvalue_matches_scipy():
         assert ks_pvalue(u) == pytest.approx(expected, rel=0.1, abs=1e-12)  # Stephens: a few % off
 
 
-# --- (b) end to end: SDDecoder with a tiny random target and a different tiny draft -------------
+# --- (b) end to end: the SD decoder with a tiny random target and a different tiny draft -------------
 
 TINY_V, TINY_K, ROWS = 8, 2, 10_000
 NEW = 1 + 2 * (TINY_K + 1)  # the target's first token, then two rounds of K drafts and a bonus
@@ -241,7 +241,7 @@ def tiny_prompts(rows: int) -> list[list[int]]:
 
 def sd_outputs(target: LlamaModel, draft: LlamaModel, params: list[SamplingParams],
                prompt_lookup: int | None = None) -> list[list[int]]:
-    """One sequence per params, decoded together by SDDecoder, each with its own seed."""
+    """One sequence per params, decoded together by the SD decoder, each with its own seed."""
     return tiny_outputs(sd_decoder(target, draft, TINY_K, prompt_lookup), params)
 
 
@@ -284,7 +284,7 @@ def test_sd_decoder_is_exact_with_an_int4_target():
 
 
 def test_sd_decoder_check_catches_a_broken_rule_with_an_int4_target(monkeypatch):
-    monkeypatch.setattr(decoders, "verify", residual_is_p)
+    monkeypatch.setattr(verification, "verify", residual_is_p)
     assert sd_pvalue(*int4_pair(), sampled(1.0)) < ALPHA
 
 
@@ -296,20 +296,20 @@ def test_sd_decoder_is_exact_with_prompt_lookup(target, draft):
 def test_prompt_lookup_check_catches_a_misreported_proposal(target, draft, monkeypatch):
     """Lookups reported as uniform proposals instead of the point masses they are."""
     uniform = lambda tokens, v: torch.full((*tokens.shape, v), 1.0 / v)  # noqa: E731
-    monkeypatch.setattr(decoders, "point_masses", uniform)
+    monkeypatch.setattr(verification, "point_masses", uniform)
     monkeypatch.setattr(drafters, "point_masses", uniform)
     assert sd_pvalue(target, draft, sampled(1.0), prompt_lookup=1) < ALPHA
 
 
 @pytest.mark.parametrize("rule", [residual_is_p, bonus_from_residual])
 def test_sd_decoder_check_catches_broken_rules(target, rule, monkeypatch):
-    monkeypatch.setattr(decoders, "verify", rule)
+    monkeypatch.setattr(verification, "verify", rule)
     assert sd_pvalue(target, sharpened_target(), sampled(1.0)) < ALPHA
 
 
 def test_sd_decoder_check_catches_a_bias_of_two_percent(target, monkeypatch):
     """q^1.1 reported for q moves the first token of each round by about 0.02 in TV (measured)."""
     rule = MisreportedProposal(1.1)
-    monkeypatch.setattr(decoders, "verify", rule)
+    monkeypatch.setattr(verification, "verify", rule)
     assert sd_pvalue(target, sharpened_target(), sampled(1.0)) < ALPHA
     assert 0.015 < rule.mean_tv < 0.03

@@ -50,7 +50,7 @@ def test_fast_backup_wins_only_from_the_critical_batch_size_on():
 
 
 def test_branch_budget_follows_the_measured_fill_time():
-    from saguaro.speculation.remote.ssd import GeometricPlan
+    from saguaro.speculation.remote.proposer import GeometricPlan
 
     plan = GeometricPlan(budget=16, power_law_r=0.5, target_t_p=0.9)
     assert plan.next_budget(16, t_p=1.8) == 8  # fill took twice the target: halve the branches
@@ -61,19 +61,19 @@ def test_branch_budget_follows_the_measured_fill_time():
 
 
 def decoder_with(stats, backup: str = "auto"):
-    """The parts of an SSDDecoder that choose a backup, without a draft worker behind them."""
+    """The parts of SSD's proposer that choose a backup, without a draft worker behind them."""
     from types import SimpleNamespace
 
-    from saguaro.speculation.remote.ssd import SSDDecoder
+    from saguaro.speculation.remote.proposer import RemoteProposer
 
     decoder = SimpleNamespace(backup=backup, stats=stats, k=5)
-    decoder.speed_model = lambda: SSDDecoder.speed_model(decoder)
-    decoder.choose_backup = lambda batch: SSDDecoder.choose_backup(decoder, batch)
+    decoder.speed_model = lambda: RemoteProposer.speed_model(decoder)
+    decoder.choose_backup = lambda batch: RemoteProposer.choose_backup(decoder, batch)
     return decoder
 
 
 def measured(hit=3.0, neural=2.0, fast=2.0, neural_s=0.010, misses=8):
-    from saguaro.speculation.remote.ssd import SSDStats
+    from saguaro.speculation.remote.proposer import SSDStats
 
     return SSDStats(hit_lengths=[hit] * 20, miss_lengths={"neural": [neural] * misses, "fast": [fast] * misses},
                     verify_s=[0.030] * 20, t_p=[0.8] * 20,
@@ -81,7 +81,7 @@ def measured(hit=3.0, neural=2.0, fast=2.0, neural_s=0.010, misses=8):
 
 
 def test_auto_backup_tries_both_before_trusting_the_speed_model():
-    from saguaro.speculation.remote.ssd import EXPLORE_MISSES
+    from saguaro.speculation.remote.proposer import EXPLORE_MISSES
 
     decoder = decoder_with(measured(misses=0))
     tried = []
@@ -106,13 +106,14 @@ def test_backup_time_is_measured_only_on_rounds_that_ran_a_backup():
     backup look free, and auto would never switch to the fast one at any batch size."""
     from types import SimpleNamespace
 
-    from saguaro.speculation.protocol import Speculation
-    from saguaro.speculation.remote.ssd import SSDDecoder, SSDStats
+    from saguaro.engine.proposal import Outcome
+    from saguaro.speculation.protocol import RequestSpeculation, Speculation
+    from saguaro.speculation.remote.proposer import RemoteProposer, SSDStats
 
     decoder = SimpleNamespace(stats=SSDStats())
     seq = SimpleNamespace(stats=SimpleNamespace(cache_hits=[]))
     for looked, backup_s in ((True, 0.0001), (False, 0.012), (True, 0.0001)):
-        spec = Speculation([[0]], hits=[False], probs=[None], fill_time_s=0.0, backup_time_s=backup_s, lookups=[looked])
-        SSDDecoder._record(decoder, [seq], [(1, 7)], spec, [(2, 9)], "neural", 0.0, 0.030)
+        spec = Speculation([RequestSpeculation([0], hit=False, lookup=looked)], backup_time_s=backup_s)
+        RemoteProposer._record(decoder, [seq], [Outcome(1, 7)], spec, [Outcome(2, 9)], "neural", 0.0, 0.030)
     assert decoder.stats.backup_s["neural"] == [0.012]
     assert len(decoder.stats.lookup_lengths) == 2 and decoder.stats.miss_lengths["neural"] == [3]

@@ -104,24 +104,24 @@ def test_the_check_catches_an_upward_import_and_a_cycle(tmp_path):
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(path.read_text())
     runner = copy / "engine" / "runner.py"
-    runner.write_text(runner.read_text() + "\nfrom saguaro.speculation.remote.ssd import SSDDecoder\n")
+    runner.write_text(runner.read_text() + "\nfrom saguaro.speculation.remote.proposer import RemoteProposer\n")
     found = violations(package_modules(copy))
-    assert any("saguaro.engine.runner (layer 2) imports saguaro.speculation.remote.ssd" in v for v in found)
+    assert any("saguaro.engine.runner (layer 2) imports saguaro.speculation.remote.proposer" in v for v in found)
     assert any("saguaro.engine and saguaro.speculation import each other" in v for v in found)
     lazy = copy / "models" / "hub.py"
     lazy.write_text(lazy.read_text() + "\n\ndef f():\n    from ..llm import LLM\n")
     assert any("saguaro.models.hub (layer 1) imports saguaro.llm" in v for v in violations(package_modules(copy)))
 
 
-@pytest.mark.parametrize("module, layer", [("saguaro.speculation.remote.ssd", 3), ("saguaro.llm", 4),
+@pytest.mark.parametrize("module, layer", [("saguaro.speculation.remote.proposer", 3), ("saguaro.llm", 4),
                                            ("saguaro", 4), ("saguaro.config", 0)])
 def test_modules_land_in_their_layer(module, layer):
     assert layer_of(module)[0] == layer
 
 
 # What runs only in the engine's process: the draft worker must load none of it.
-ENGINE_SIDE = ("saguaro.llm", "saguaro.engine.loop", "saguaro.engine.decoders", "saguaro.speculation.remote",
-               "saguaro.speculation.policy", "saguaro.speculation.build", "saguaro.speculation.sd",
+ENGINE_SIDE = ("saguaro.llm", "saguaro.engine.loop", "saguaro.engine.round", "saguaro.engine.verifier",
+               "saguaro.speculation.remote", "saguaro.speculation.policy", "saguaro.speculation.build",
                "saguaro.server", "saguaro.bench")
 
 

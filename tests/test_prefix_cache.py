@@ -191,7 +191,7 @@ def test_a_chat_s_next_turn_starts_from_the_cached_conversation(bf16, plain):
 def test_control_corrupted_cached_entries_change_the_output(bf16, uncached):
     params = SamplingParams(temperature=0, max_tokens=24)
     bf16.generate(chats()[:1], params, use_tqdm=False)
-    blocks = bf16.decoder.prefix_cache.blocks
+    blocks = bf16.decoder.verifier.prefix_cache.blocks
     saved = {key: (k.clone(), v.clone()) for key, (k, v) in blocks.items()}
     try:
         # an off-by-one copy of the values: each slot's value next to its neighbour's key (shifting

@@ -23,6 +23,7 @@ import openai
 import pytest
 import torch
 
+from drafts import ssd_of
 from saguaro import LLM, SamplingParams
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
@@ -299,7 +300,7 @@ def test_disconnect_mid_stream_frees_the_slot(ar_server, http):
         wait_until(lambda: metric(ar_server.url, "requests_running") == 1)
     wait_until(lambda: metric(ar_server.url, "requests_running") == 0)
     assert metric(ar_server.url, 'requests_total{reason="cancelled"}') == cancelled + 1
-    assert ar_server.llm.decoder.rows.of == {}  # its KV cache row is free
+    assert ar_server.llm.decoder.verifier.rows.of == {}  # its KV cache row is free
     assert http.post("/v1/completions", json=GOOD).status_code == 200
 
 
@@ -311,7 +312,7 @@ def test_disconnect_while_waiting_for_a_whole_completion_frees_the_slot(ar_serve
                    timeout=httpx.Timeout(30, read=1.0))
     wait_until(lambda: metric(ar_server.url, 'requests_total{reason="cancelled"}') == cancelled + 1)
     wait_until(lambda: metric(ar_server.url, "requests_running") == 0)
-    assert ar_server.llm.decoder.rows.of == {}
+    assert ar_server.llm.decoder.verifier.rows.of == {}
 
 
 # --- SSD: continuous batching with a draft worker, a full queue, losing the worker ------------------
@@ -436,8 +437,8 @@ def test_samples_that_do_not_all_fit_are_refused_together(ssd_server):
 
 
 def test_killing_the_draft_worker_mid_stream_loses_nothing_and_a_new_one_takes_over(ssd_server, offline):
-    decoder = ssd_server.llm.decoder
-    process = decoder.client.process
+    pool = ssd_of(ssd_server.llm.decoder).pool
+    process = pool.lanes[0].client.process
     tokens = metric(ssd_server.url, "generation_tokens_total")
 
     async def run() -> list[str]:
@@ -452,8 +453,8 @@ def test_killing_the_draft_worker_mid_stream_loses_nothing_and_a_new_one_takes_o
     assert process.wait(timeout=30) is not None
     assert texts == offline["long"][:2]
     assert metric(ssd_server.url, "draft_worker_losses_total") == 1
-    if decoder.restart is not None:
-        decoder.restart.result(timeout=TIMEOUT_S)  # the new worker is ready: the next round takes it
+    if pool.lanes[0].restart is not None:
+        pool.lanes[0].restart.result(timeout=TIMEOUT_S)  # the new worker is ready: the next round takes it
 
     async def again() -> str:
         async with httpx.AsyncClient(base_url=ssd_server.url, timeout=TIMEOUT_S) as c:
@@ -461,8 +462,8 @@ def test_killing_the_draft_worker_mid_stream_loses_nothing_and_a_new_one_takes_o
 
     hits = metric(ssd_server.url, "speculation_cache_hits_total")
     assert asyncio.run(again()) == offline["long"][2]
-    assert metric(ssd_server.url, "draft_worker_restarts_total") == 1 and not decoder.draft_lost
-    assert decoder.client.process.pid != process.pid
+    assert metric(ssd_server.url, "draft_worker_restarts_total") == 1 and pool.lanes[0].live
+    assert pool.lanes[0].client.process.pid != process.pid
     assert metric(ssd_server.url, "speculation_cache_hits_total") > hits  # SSD again
 
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 import math
 
 
-from drafts import InProcessDraft, worker_config
-from saguaro.engine import decoders
+from drafts import InProcessDraft, ssd_decoder, ssd_of, worker_config
+import saguaro.engine.verifier as verification
+from saguaro.engine.round import Decoder
 from saguaro.engine.runner import forward_chunks
 from saguaro.engine.sampler import SamplingParams, WarpParams, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.models.kv_cache import new_cache
 from saguaro.speculation.worker.cache import SpeculationCache
-from saguaro.speculation.remote.ssd import SSDDecoder
+from saguaro.speculation.build import ar_decoder
 from stats import ks_pvalue, teacher_forced_pit
 from test_exactness import ALPHA, PROMPT, residual_is_p
 from test_ssd import decode_all, tiny_draft_dir, tiny_target  # noqa: F401
@@ -37,10 +38,10 @@ def test_a_branch_left_by_its_request_serves_one_other_request_in_its_round():
     assert cache.take_shared((9, 5)) is None  # a round's leftovers do not outlive it
 
 
-def shared_outputs(target, draft_dir, share_window: int) -> tuple[list[list[int]], list[SamplingParams], SSDDecoder]:
+def shared_outputs(target, draft_dir, share_window: int) -> tuple[list[list[int]], list[SamplingParams], Decoder]:
     """ROWS samples of one prompt at T = 1, decoded together by SSD with its draft in this process."""
     client = InProcessDraft(worker_config(str(draft_dir), "float32", K, FAN_OUT, share_window=share_window), None)
-    decoder = SSDDecoder(target, client, "neural")
+    decoder = ssd_decoder(target, client, "neural")
     params = [SamplingParams(temperature=1.0, max_tokens=NEW, seed=i) for i in range(ROWS)]
     seqs = [Sequence(i, PROMPT, p, []) for i, p in enumerate(params)]
     decoder.reserve(ROWS, len(PROMPT) + NEW + decoder.lookahead)
@@ -76,7 +77,7 @@ def agreement_z(target, outputs: list[list[int]], params: list[SamplingParams]) 
 
 def test_shared_branches_keep_samples_exact_and_independent(tiny_target, tiny_draft_dir):
     outputs, params, decoder = shared_outputs(tiny_target, tiny_draft_dir, share_window=1)
-    assert decoder.stats.shared_hits > ROWS // 10  # many misses were served by another request's branch
+    assert ssd_of(decoder).stats.shared_hits > ROWS // 10  # many misses were served by another request's branch
     assert ks_pvalue(teacher_forced_pit(tiny_target, [PROMPT] * ROWS, outputs, params)) > ALPHA
     assert agreement_z(tiny_target, outputs, params) < 3.5
 
@@ -93,26 +94,26 @@ def test_sharing_check_catches_a_branch_served_to_many_requests(tiny_target, tin
 
 
 def test_sharing_check_catches_a_broken_acceptance_rule(tiny_target, tiny_draft_dir, monkeypatch):
-    monkeypatch.setattr(decoders, "verify", residual_is_p)
+    monkeypatch.setattr(verification, "verify", residual_is_p)
     outputs, params, _ = shared_outputs(tiny_target, tiny_draft_dir, share_window=1)
     assert ks_pvalue(teacher_forced_pit(tiny_target, [PROMPT] * ROWS, outputs, params)) < ALPHA
 
 
 def test_sharing_off_shares_nothing(tiny_target, tiny_draft_dir):
     _, _, decoder = shared_outputs(tiny_target, tiny_draft_dir, share_window=0)
-    assert decoder.stats.shared_hits == 0 and decoder.metrics()["draft_tokens_per_committed_token"] > 0
+    assert ssd_of(decoder).stats.shared_hits == 0 and decoder.metrics()["draft_tokens_per_committed_token"] > 0
 
 
 def test_greedy_with_shared_branches_equals_ar(tiny_target, tiny_draft_dir):
     client = InProcessDraft(worker_config(str(tiny_draft_dir), "float32", K, FAN_OUT, share_window=1), None)
-    decoder = SSDDecoder(tiny_target, client, "neural")
+    decoder = ssd_decoder(tiny_target, client, "neural")
     prompts = [PROMPT + [i % 8, (i // 8) % 8] for i in range(200)]
     params = SamplingParams(temperature=0, max_tokens=NEW)
     outputs = []
-    for d in (decoder, decoders.ARDecoder(tiny_target)):
+    for d in (decoder, ar_decoder(tiny_target)):
         seqs = [Sequence(i, p, params, []) for i, p in enumerate(prompts)]
         d.reserve(len(seqs), len(prompts[0]) + NEW + d.lookahead)
         decode_all(d, seqs)
         outputs.append([s.output_ids for s in seqs])
     assert outputs[0] == outputs[1]
-    assert decoder.stats.shared_hits > 0
+    assert ssd_of(decoder).stats.shared_hits > 0

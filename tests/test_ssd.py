@@ -19,19 +19,23 @@ import torch
 
 from conftest import NEW_TOKENS
 import netns
-from drafts import InProcessDraft, worker_config
+from drafts import InProcessDraft, ssd_decoder, ssd_of, worker_config, worker_of
 from saguaro import SamplingParams
-from saguaro.engine import decoders
+import saguaro.engine.verifier as verification
 from saguaro.engine.loop import Engine
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.llama import scatter_to_vocab
 from saguaro.models.loader import save_checkpoint
+from saguaro.engine.round import Decoder
+from saguaro.engine.sampler import sample
+from saguaro.speculation.build import ar_decoder
 from saguaro.speculation.worker import speculator
 from saguaro.speculation.remote.client import DraftClient
 from saguaro.speculation.worker.speculator import saguaro_sigma
 from saguaro.speculation.protocol import SparseProbs, dense_probs
-from saguaro.speculation.remote.ssd import SSDDecoder, SSDStats
+from saguaro.speculation.remote import proposer as remote_proposer
+from saguaro.speculation.remote.proposer import SSDStats
 from stats import MisreportedProposal, ks_pvalue, sharpen, teacher_forced_pit
 from test_exactness import ALPHA, PROMPT, REDUCED_HEAD, TINY_V, residual_is_p, tiny_model
 
@@ -90,12 +94,12 @@ def decode_all(decoder, seqs: list[Sequence]) -> None:
         decoder.release([s for s in active if s.finished])
 
 
-def ssd_pvalue(target, draft_dir, temperature: float, path: str, proposal_top: int = 64) -> tuple[float, SSDDecoder]:
+def ssd_pvalue(target, draft_dir, temperature: float, path: str, proposal_top: int = 64) -> tuple[float, Decoder]:
     """The KS p-value of ROWS continuations decoded in-process along `path` (tests/stats.py)."""
     fan_out, backup, c, prompt_lookup = PATHS[path]
     client = InProcessDraft(worker_config(str(draft_dir), "float32", SSD_K, fan_out, c, prompt_lookup=prompt_lookup,
                                           proposal_top=proposal_top), None)
-    decoder = SSDDecoder(target, client, backup)
+    decoder = ssd_decoder(target, client, backup)
     params = [SamplingParams(temperature=temperature, max_tokens=NEW, seed=i) for i in range(ROWS)]
     seqs = [Sequence(i, PROMPT, p, []) for i, p in enumerate(params)]
     decoder.reserve(ROWS, len(PROMPT) + NEW + decoder.lookahead)
@@ -109,7 +113,7 @@ def ssd_pvalue(target, draft_dir, temperature: float, path: str, proposal_top: i
 def test_ssd_is_exact_on_every_path(tiny_target, tiny_draft_dir, path, temperature):
     pvalue, decoder = ssd_pvalue(tiny_target, tiny_draft_dir, temperature, path)
     assert pvalue > ALPHA
-    stats = decoder.stats
+    stats = ssd_of(decoder).stats
     misses = stats.miss_lengths[PATHS[path][1]]
     if path == "lookup":
         assert len(stats.lookup_lengths) > ROWS // 10 and misses  # lookups and neural drafts mix
@@ -121,15 +125,15 @@ def test_ssd_is_exact_on_every_path(tiny_target, tiny_draft_dir, path, temperatu
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_ssd_check_catches_a_broken_acceptance_rule(tiny_target, tiny_draft_dir, path, monkeypatch):
-    monkeypatch.setattr(decoders, "verify", residual_is_p)
+    monkeypatch.setattr(verification, "verify", residual_is_p)
     pvalue, _ = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, path)
     assert pvalue < ALPHA
 
 
 def test_ssd_check_catches_lookups_reported_as_other_proposals(tiny_target, tiny_draft_dir, monkeypatch):
     uniform = lambda tokens, v: torch.full((*tokens.shape, v), 1.0 / v)  # noqa: E731
-    monkeypatch.setattr(decoders, "point_masses", uniform)
-    monkeypatch.setattr("saguaro.speculation.ssd.point_masses", uniform)
+    monkeypatch.setattr(verification, "point_masses", uniform)
+    monkeypatch.setattr(remote_proposer, "point_masses", uniform)
     pvalue, _ = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "lookup")
     assert pvalue < ALPHA
 
@@ -138,7 +142,7 @@ def test_ssd_check_catches_lookups_reported_as_other_proposals(tiny_target, tiny
 def test_ssd_check_catches_a_proposal_other_than_the_one_reported(tiny_target, tiny_draft_dir, path, monkeypatch):
     """The classic Saguaro-sampling bug: drafting from one distribution, verifying against another."""
     def sample_elsewhere(probs, u):
-        return decoders.sample(saguaro_sigma(probs, probs.log(), top=2, c=0.1), u)
+        return sample(saguaro_sigma(probs, probs.log(), top=2, c=0.1), u)
 
     monkeypatch.setattr(speculator, "sample", sample_elsewhere)
     pvalue, _ = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, path)
@@ -151,7 +155,8 @@ def test_ssd_is_exact_with_a_reduced_draft_head(tiny_target, reduced_draft_dir, 
     them, and still reaches the tokens the draft cannot propose."""
     pvalue, decoder = ssd_pvalue(tiny_target, reduced_draft_dir, 1.0, path)
     assert pvalue > ALPHA
-    ran = decoder.stats.hit_lengths if path.startswith("hit") else decoder.stats.miss_lengths["neural"]
+    stats = ssd_of(decoder).stats
+    ran = stats.hit_lengths if path.startswith("hit") else stats.miss_lengths["neural"]
     assert len(ran) > ROWS // 10
 
 
@@ -178,12 +183,10 @@ def test_ssd_check_catches_top_tokens_kept_without_renormalizing(tiny_target, ti
 
 def test_ssd_check_catches_draft_distributions_placed_on_the_wrong_tokens(tiny_target, reduced_draft_dir,
                                                                            monkeypatch):
-    from saguaro.speculation.remote import ssd
-
     def sorted_map(probs, token_ids, vocab_size, fill=0.0):
         return scatter_to_vocab(probs, token_ids.sort().values, vocab_size, fill)
 
-    monkeypatch.setattr(ssd, "scatter_to_vocab", sorted_map)
+    monkeypatch.setattr(remote_proposer, "scatter_to_vocab", sorted_map)
     pvalue, _ = ssd_pvalue(tiny_target, reduced_draft_dir, 1.0, "hit-c1")
     assert pvalue < ALPHA
 
@@ -224,14 +227,14 @@ def sampled_params() -> list[SamplingParams]:
 def worker_outputs(target, draft_dir, params: list[SamplingParams]) -> tuple[list[list[int]], SSDStats]:
     """One batch decoded by SSD with its draft in a worker process."""
     config = worker_config(str(draft_dir), "float32", WORKER_K, WORKER_FAN_OUT, timeout_s=300)
-    decoder = SSDDecoder(target, DraftClient(config, None), "neural")
+    decoder = ssd_decoder(target, DraftClient(config, None), "neural")
     try:
         seqs = [Sequence(i, prompt, p, []) for i, (prompt, p) in enumerate(zip(worker_prompts(), params))]
         decoder.reserve(len(seqs), len(PROMPT) + 1 + WORKER_NEW + decoder.lookahead)
         decode_all(decoder, seqs)
     finally:
         decoder.close()
-    return [s.output_ids for s in seqs], decoder.stats
+    return [s.output_ids for s in seqs], ssd_of(decoder).stats
 
 
 def worker_pvalue(target, draft_dir, params: list[SamplingParams]) -> tuple[float, list[list[int]], SSDStats]:
@@ -248,7 +251,7 @@ def test_worker_ssd_is_exact_in_mixed_batches(tiny_target, peaked_draft_dir):
     pvalue, outputs, stats = worker_pvalue(tiny_target, peaked_draft_dir, mixed_params())
     assert pvalue > WORKER_ALPHA
     greedy = [i for i, p in enumerate(mixed_params()) if p.greedy]
-    reference = decoders.ARDecoder(tiny_target)
+    reference = ar_decoder(tiny_target)
     seqs = [Sequence(i, worker_prompts()[i], mixed_params()[i], []) for i in greedy]
     reference.reserve(len(seqs), len(PROMPT) + 1 + WORKER_NEW + reference.lookahead)
     decode_all(reference, seqs)
@@ -260,15 +263,16 @@ def test_worker_ssd_is_exact_in_mixed_batches(tiny_target, peaked_draft_dir):
 def sharpen_cached_proposals(monkeypatch, power: float) -> None:
     """Broken: the proposals of cache hits arrive as q^power (renormalised) while their tokens
     were drawn from q; the target verifies against the wrong distribution."""
-    speculate = DraftClient.speculate
+    answer = DraftClient.answer
 
-    def misreporting(self, request):
-        spec = speculate(self, request)
-        spec.probs = [sharpen(dense_probs(p), power) if hit and p is not None else p
-                      for p, hit in zip(spec.probs, spec.hits)]
+    def misreporting(self, asked):
+        spec = answer(self, asked)
+        for request in spec.requests:
+            if request.hit and request.probs is not None:
+                request.probs = sharpen(dense_probs(request.probs), power)
         return spec
 
-    monkeypatch.setattr(DraftClient, "speculate", misreporting)
+    monkeypatch.setattr(DraftClient, "answer", misreporting)
 
 
 def test_worker_check_catches_sharpened_proposals_of_cached_branches(tiny_target, peaked_draft_dir, monkeypatch):
@@ -279,20 +283,20 @@ def test_worker_check_catches_sharpened_proposals_of_cached_branches(tiny_target
 def test_worker_check_catches_a_bias_of_two_percent(tiny_target, peaked_draft_dir, monkeypatch):
     """q^1.1 verified for q moves the first token of each round by about 0.02 in TV (measured)."""
     rule = MisreportedProposal(1.1)
-    monkeypatch.setattr(decoders, "verify", rule)
+    monkeypatch.setattr(verification, "verify", rule)
     assert worker_pvalue(tiny_target, peaked_draft_dir, sampled_params())[0] < WORKER_ALPHA
     assert 0.015 < rule.mean_tv < 0.03
 
 
 # --- the real model and a real worker process ---------------------------------------------------
 
-def ssd_decoder(llm, draft_dir, backup: str, budget: int = 4, prompt_lookup: int | None = None) -> SSDDecoder:
+def real_ssd_decoder(llm, draft_dir, backup: str, budget: int = 4, prompt_lookup: int | None = None) -> Decoder:
     from saguaro.speculation.policy.planning import uniform_fan_out
 
     config = worker_config(str(draft_dir), "float32", 4, uniform_fan_out(budget, 4), cpus=None, timeout_s=60,
                           prompt_lookup=prompt_lookup)
     client = DraftClient(config, llm.target.embed_tokens.weight.detach())
-    return SSDDecoder(llm.target, client, backup)
+    return ssd_decoder(llm.target, client, backup)
 
 
 @pytest.fixture
@@ -314,26 +318,26 @@ def with_ssd(llm):
 
 @pytest.mark.parametrize("batch, count, backup", [(1, 4, "neural"), (4, 12, "neural"), (4, 12, "fast")])
 def test_ssd_greedy_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy, backup, batch, count):
-    ssd_llm = with_ssd(ssd_decoder(llm, draft_path, backup))
+    ssd_llm = with_ssd(real_ssd_decoder(llm, draft_path, backup))
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     outputs = []
     for i in range(0, count, batch):
         outputs += ssd_llm.generate(prompts[i:i + batch], params, use_tqdm=False)
     mismatches = [i for i, out in enumerate(outputs) if out.token_ids != ar_greedy[i]]
     assert not mismatches, f"SSD differs from AR on prompts {mismatches}"
-    summary = ssd_llm.decoder.stats.summary()
+    summary = ssd_of(ssd_llm.decoder).stats.summary()
     assert summary["cache_hit_rate"] is not None and 0 < summary["cache_hit_rate"]
 
 
 def test_ssd_with_prompt_lookup_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy):
-    ssd_llm = with_ssd(ssd_decoder(llm, draft_path, "fast", prompt_lookup=2))
+    ssd_llm = with_ssd(real_ssd_decoder(llm, draft_path, "fast", prompt_lookup=2))
     outputs = []
     for i in range(0, 8, 4):
         outputs += ssd_llm.generate(prompts[i:i + 4], SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
                                     use_tqdm=False)
     mismatches = [i for i, out in enumerate(outputs) if out.token_ids != ar_greedy[i]]
     assert not mismatches, f"SSD with prompt lookup differs from AR on prompts {mismatches}"
-    assert ssd_llm.decoder.stats.summary()["lookup_rate"] > 0
+    assert ssd_of(ssd_llm.decoder).stats.summary()["lookup_rate"] > 0
 
 
 FAULT_AFTER_ROUNDS = 4  # SSD rounds before the fault: the worker's reply times are measured by then
@@ -356,9 +360,10 @@ def test_a_lost_draft_worker_stalls_briefly_and_is_replaced(with_ssd, llm, draft
     """A worker that dies (SIGKILL) or stops answering (SIGSTOP) in the middle of a batch: the
     batch goes on within seconds, loses and repeats nothing (greedy: equal to AR), a new worker
     takes over and the next batch hits its cache again."""
-    decoder = ssd_decoder(llm, draft_path, "neural")
+    decoder = real_ssd_decoder(llm, draft_path, "neural")
     ssd_llm = with_ssd(decoder)
-    worker = decoder.client.process
+    ssd, pool = ssd_of(decoder), ssd_of(decoder).pool
+    worker = worker_of(decoder).process
     streamed, rounds_ended, fault = {}, [], []
     step = decoder.step
 
@@ -370,7 +375,7 @@ def test_a_lost_draft_worker_stalls_briefly_and_is_replaced(with_ssd, llm, draft
 
     def fault_after_some_rounds(index: int, text: str) -> None:
         streamed[index] = streamed.get(index, "") + text
-        if not fault and len(decoder.stats.verify_s) >= FAULT_AFTER_ROUNDS:
+        if not fault and len(ssd.stats.verify_s) >= FAULT_AFTER_ROUNDS:
             os.kill(worker.pid, sig)
             fault.append(time.perf_counter())
 
@@ -394,13 +399,13 @@ def test_a_lost_draft_worker_stalls_briefly_and_is_replaced(with_ssd, llm, draft
     else:
         assert all(len(o.token_ids) == FAULT_TOKENS for o in outputs)
 
-    if decoder.restart is not None:
-        decoder.restart.result(timeout=120)  # the new worker is ready (the first batch may have ended first)
+    if pool.lanes[0].restart is not None:
+        pool.lanes[0].restart.result(timeout=120)  # the new worker is ready (the first batch may have ended first)
     before = ssd_llm.metrics()
     outputs = ssd_llm.generate(prompts[3:6], dataclasses.replace(params, max_tokens=RESUMED_TOKENS), use_tqdm=False)
     after = ssd_llm.metrics()
     assert after["draft_losses"] == 1 and after["draft_restarts"] == 1
-    assert decoder.client.process.pid != worker.pid and not decoder.draft_lost
+    assert worker_of(decoder).process.pid != worker.pid and pool.lanes[0].live
     assert after["cache_hits"] > before["cache_hits"]  # SSD resumed
     if greedy:
         assert [o.token_ids for o in outputs] == [t[:RESUMED_TOKENS] for t in ar_reference[3:6]]
@@ -422,12 +427,12 @@ def tiny_worker_config(draft_dir, address: str | None = None):
 
 
 def test_two_engines_share_a_host_and_leave_no_process(tiny_target, tiny_draft_dir):
-    reference = greedy_tiny(decoders.ARDecoder(tiny_target))
-    engines = [SSDDecoder(tiny_target, DraftClient(tiny_worker_config(tiny_draft_dir), None)) for _ in range(2)]
-    assert engines[0].client.channel.port != engines[1].client.channel.port
+    reference = greedy_tiny(ar_decoder(tiny_target))
+    engines = [ssd_decoder(tiny_target, DraftClient(tiny_worker_config(tiny_draft_dir), None)) for _ in range(2)]
+    assert worker_of(engines[0]).channel.port != worker_of(engines[1]).channel.port
     for engine in engines:
         assert greedy_tiny(engine) == reference
-    processes = [e.client.process for e in engines]
+    processes = [worker_of(e).process for e in engines]
     for engine in engines:
         engine.close()
     assert all(p.poll() is not None for p in processes)
@@ -443,9 +448,9 @@ def test_a_worker_started_elsewhere_attaches_by_address(tiny_target, tiny_draft_
         port = s.getsockname()[1]
     worker = subprocess.Popen([sys.executable, "-m", "saguaro.speculation.worker", "--connect", f"127.0.0.1:{port}"])
     try:
-        engine = SSDDecoder(tiny_target, DraftClient(tiny_worker_config(tiny_draft_dir, f"127.0.0.1:{port}"), None))
-        assert engine.client.process is None and engine.client.ready.pid == worker.pid
-        assert greedy_tiny(engine) == greedy_tiny(decoders.ARDecoder(tiny_target))
+        engine = ssd_decoder(tiny_target, DraftClient(tiny_worker_config(tiny_draft_dir, f"127.0.0.1:{port}"), None))
+        assert worker_of(engine).process is None and worker_of(engine).ready.pid == worker.pid
+        assert greedy_tiny(engine) == greedy_tiny(ar_decoder(tiny_target))
         engine.close()
         assert worker.wait(timeout=10) == 0
     finally:
@@ -494,20 +499,21 @@ def test_a_worker_attached_by_address_is_awaited_again_after_a_loss(tiny_target,
         port = s.getsockname()[1]
     start_worker = lambda: subprocess.Popen([sys.executable, "-m", "saguaro.speculation.worker",  # noqa: E731
                                              "--connect", f"127.0.0.1:{port}"])
-    reference = greedy_tiny(decoders.ARDecoder(tiny_target))
+    reference = greedy_tiny(ar_decoder(tiny_target))
     workers = [start_worker()]
     try:
-        engine = SSDDecoder(tiny_target, DraftClient(tiny_worker_config(tiny_draft_dir, f"127.0.0.1:{port}"), None))
+        engine = ssd_decoder(tiny_target, DraftClient(tiny_worker_config(tiny_draft_dir, f"127.0.0.1:{port}"), None))
+        ssd = ssd_of(engine)
         workers[0].kill()
         with pytest.warns(RuntimeWarning, match="draft worker lost"):
             assert greedy_tiny(engine) == reference
-        assert engine.draft_lost and engine.stats.draft_losses == 1
+        assert ssd.pool.lanes[0].restart is not None and ssd.pool.losses == 1
         workers.append(start_worker())  # the engine waits for one at the same address
-        engine.restart.result(timeout=60)
-        rounds = len(engine.stats.verify_s)
+        ssd.pool.lanes[0].restart.result(timeout=60)
+        rounds = len(ssd.stats.verify_s)
         assert greedy_tiny(engine) == reference
-        assert engine.stats.draft_restarts == 1 and engine.client.ready.pid == workers[1].pid
-        assert len(engine.stats.verify_s) > rounds  # SSD rounds again
+        assert ssd.pool.restarts == 1 and worker_of(engine).ready.pid == workers[1].pid
+        assert len(ssd.stats.verify_s) > rounds  # SSD rounds again
         engine.close()
         assert workers[1].wait(timeout=10) == 0
     finally:
@@ -527,10 +533,10 @@ def test_ssd_starts_where_cores_cannot_be_pinned(monkeypatch, draft_path):
     threads, cores = torch.get_num_threads(), os.cpu_count()
     llm = LLM("smollm2", draft=str(draft_path), method="ssd", dtype="float32", num_speculative_tokens=3)
     try:
-        assert llm.decoder.client.config.cpus == str(cores - 1)
+        assert worker_of(llm.decoder).config.cpus == str(cores - 1)
         assert torch.get_num_threads() == cores - 1
         out = llm.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-        assert len(out.token_ids) == 8 and not llm.decoder.draft_lost
+        assert len(out.token_ids) == 8 and ssd_of(llm.decoder).pool.losses == 0
     finally:
         llm.close()
     assert torch.get_num_threads() == threads

@@ -13,17 +13,16 @@ from conftest import NEW_TOKENS
 from drafts import sd_decoder
 from saguaro import LLM, SamplingParams
 from saguaro.config import SpeculativeConfig
-from saguaro.engine import decoders
+import saguaro.engine.verifier as verification
 from saguaro.engine.loop import Engine
 from saguaro.engine.runner import forward_chunks
 from saguaro.models import hub
 from saguaro.models.config import ModelConfig
 from saguaro.models.kv_cache import new_cache
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import load_draft, save_checkpoint
+from saguaro.models.loader import save_checkpoint
 from saguaro.models.tensor_parallel import shard_config, shard_state, split, tensor_parallel
-from saguaro.speculation.build import draft_path, sd_drafter, ssd_decoder
-from saguaro.speculation.sd import SDDecoder
+from saguaro.speculation.build import draft_path, make_decoder, ssd_decoder, ssd_proposer
 from stats import ks_pvalue, teacher_forced_pit
 from test_exactness import ALPHA, TINY_K, TINY_V, residual_is_p, sampled, tiny_model, tiny_outputs, tiny_prompts
 
@@ -101,9 +100,9 @@ def speculative_outputs(llm: LLM, decoder, prompts) -> list[list[int]]:
 def test_sd_and_ssd_on_two_ranks_equal_ar(tp_llm, prompts, ar_greedy):
     spec = SpeculativeConfig(method="sd", num_speculative_tokens=4)
     path = draft_path(spec, hub.DEFAULT_MODEL)
-    sd = SDDecoder(tp_llm.target, sd_drafter(load_draft(path, tp_llm.target), spec))
+    sd = make_decoder(tp_llm.target, replace(spec, draft=str(path)), hub.DEFAULT_MODEL)
     assert speculative_outputs(tp_llm, sd, prompts[4:6]) == ar_greedy[4:6]
-    ssd = ssd_decoder(tp_llm.target, replace(spec, method="ssd"), path, None)
+    ssd = ssd_decoder(ssd_proposer(tp_llm.target, replace(spec, method="ssd"), path, None), tp_llm.target)
     assert speculative_outputs(tp_llm, ssd, prompts[6:8]) == ar_greedy[6:8]
     assert ssd.metrics()["cache_hits"] > 0
 
@@ -136,7 +135,7 @@ def test_sd_on_two_ranks_samples_the_whole_targets_distribution(tiny_two_ranks):
 
 
 def test_sd_on_two_ranks_check_catches_a_broken_acceptance_rule(tiny_two_ranks, monkeypatch):
-    monkeypatch.setattr(decoders, "verify", residual_is_p)
+    monkeypatch.setattr(verification, "verify", residual_is_p)
     assert tp_pvalue(tiny_two_ranks) < ALPHA
 
 

@@ -12,22 +12,22 @@ from dataclasses import dataclass
 
 from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
-from saguaro.speculation.policy.auto import AutoDecoder, Choice
+from saguaro.speculation.policy.auto import AutoPolicy, Option
 
 
 @dataclass
 class PlanRow:
     batch: int
-    choice: Choice  # draft tokens per round (0: no speculation), or "ssd"
+    choice: Option  # draft tokens per round (0: no speculation), or "ssd"
     predicted_tok_s: float | None  # forecast from the other batch sizes' measurements
     measured_tok_s: float
     chosen: bool
 
 
-def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, choice: Choice) -> float:
+def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, choice: Option) -> float:
     """Committed tokens per second of the decoding rounds the controller measures (the target's
     prefill and an SSD stint's first round left out), with its choice fixed."""
-    controller = llm.decoder.controller
+    controller = llm.decoder.policy.controller
     committed, seconds = 0, 0.0
     record, record_ssd = controller.record, controller.record_ssd
 
@@ -51,10 +51,11 @@ def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, choice: 
 
 
 def plan(llm: LLM, prompts: list[list[int]], batch_sizes: list[int], params: SamplingParams) -> list[PlanRow]:
-    if not isinstance(llm.decoder, AutoDecoder):
+    auto = llm.decoder.policy
+    if not isinstance(auto, AutoPolicy):
         raise ValueError("saguaro plan profiles method='auto' (it needs a draft)")
-    llm.decoder.wait_for_ssd(start=True)
-    controller = llm.decoder.controller
+    auto.wait_for_ssd(start=True)
+    controller = auto.controller
     rows = []
     for batch in batch_sizes:
         batch_prompts = (prompts * batch)[:batch]

@@ -21,17 +21,16 @@ from tqdm import tqdm
 
 from saguaro.bench import peers, report
 from saguaro.config import METHODS as SPECULATIVE_METHODS, SpeculativeConfig
-from saguaro.engine.decoders import ARDecoder
 from saguaro.engine.loop import Engine
+from saguaro.engine.round import Decoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
 from saguaro.models import hub
 from saguaro.models.loader import load_draft
-from saguaro.speculation.policy.auto import AutoDecoder
-from saguaro.speculation.build import auto_ssd, draft_path, sd_drafter
+from saguaro.speculation.build import draft_path, make_decoder
+from saguaro.speculation.policy.auto import AutoPolicy
+from saguaro.speculation.remote.proposer import RemoteProposer, SSDStats
 from saguaro.system import usable_cores, use_cores
-from saguaro.speculation.sd import SDDecoder
-from saguaro.speculation.remote.ssd import SSDStats
 
 METHODS = (*SPECULATIVE_METHODS, "hf", "hf-assisted", "llamacpp")
 DATASETS = ("humaneval", "sharegpt", "random")
@@ -93,35 +92,43 @@ def bench_prompts(llm: LLM, dataset: str, config: BenchConfig) -> list[list[int]
 class Engines:
     generate: dict  # name -> generate(prompts, params) -> per-request records, on the method's cores
     held: dict[str, int]  # name -> the cores it holds
-    auto: AutoDecoder | None  # which has a worker of its own to stop
+    decoders: dict[str, Decoder]  # saguaro's methods, each built as LLM builds it
+
+    @property
+    def auto(self) -> AutoPolicy | None:
+        return self.decoders["auto"].policy if "auto" in self.decoders else None
+
+    @property
+    def ssd(self) -> RemoteProposer | None:
+        return self.decoders["ssd"].policy.choice.proposer if "ssd" in self.decoders else None
 
     def close(self) -> None:
-        if self.auto is not None:
-            self.auto.close()
+        for decoder in self.decoders.values():
+            decoder.close()
 
 
 def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int], int]],
                   longest_prompt: int) -> Engines:
-    """One saguaro target is shared by AR, SD, auto and SSD (whose decoder is the LLM's own: it
-    owns the worker). cores: "all" and "ssd" (affinity, threads)."""
+    """One saguaro target is shared by AR, SD, auto and SSD, each decoder built as `LLM` builds
+    it (without prefix caching, and auto without a kept profile: every method starts cold).
+    cores: "all" (affinity, threads); SSD's share is added once its workers hold theirs."""
     spec = config.speculative
-    needs_draft = {"sd", "auto", "hf-assisted"} & set(config.methods)
-    path = draft_path(replace(spec, method="sd"), config.model) if needs_draft else None  # an error if none
-    draft = load_draft(path, llm.target) if needs_draft else None
-    use_cores(*cores["all"])  # auto's SSD shares out what it finds
-    ssd = auto_ssd(llm.target, spec, path) if "auto" in config.methods and not draft.reads_features else None
-    decoders = {"ar": ARDecoder(llm.target) if "ar" in config.methods else None,
-                "sd": SDDecoder(llm.target, sd_drafter(draft, spec)) if "sd" in config.methods else None,
-                "auto": AutoDecoder(llm.target, sd_drafter(draft, spec), ssd) if "auto" in config.methods
-                else None,
-                "ssd": llm.decoder if "ssd" in config.methods else None}
-    if ssd:
-        decoders["auto"].wait_for_ssd()
+    use_cores(*cores["all"])
+    decoders = {}
+    for name in ("ssd", "ar", "sd", "auto"):  # SSD first: its workers take their cores
+        if name in config.methods:
+            decoders[name] = make_decoder(llm.target, replace(spec, method=name), config.model, keep_profile=False)
+            if name == "ssd":
+                cores["ssd"] = usable_cores(), torch.get_num_threads()
+                use_cores(*cores["all"])  # auto's SSD shares out what it finds
+    auto = decoders["auto"].policy if "auto" in decoders else None
+    if isinstance(auto, AutoPolicy) and auto.cores is not None:
+        auto.wait_for_ssd()
     held = {name: cores["all"][1] for name in config.methods}
     if "ssd" in held:
         held["ssd"] = cores["ssd"][1] + (spec.draft_device == "cpu" and not spec.draft_address)
-    if ssd and not ssd.on_own_hardware:
-        held["auto"] = max(held["auto"], ssd.cores.ssd[1] + 1)
+    if isinstance(auto, AutoPolicy) and auto.cores is not None and auto.cores.ssd != auto.cores.all:
+        held["auto"] = max(held["auto"], auto.cores.ssd[1] + 1)
 
     def saguaro_engine(name: str, engine: Engine):
         def generate(prompts, params):
@@ -131,8 +138,9 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
             return [asdict(out.metrics) for out in outputs]
         return generate
 
-    engines = {name: saguaro_engine(name, Engine(d)) for name, d in decoders.items() if d is not None}
+    engines = {name: saguaro_engine(name, Engine(d)) for name, d in decoders.items()}
     assisted = "hf-assisted" in config.methods
+    draft = load_draft(draft_path(replace(spec, method="sd"), config.model), llm.target) if assisted else None
     if assisted and draft.reads_features:
         warnings.warn("hf-assisted skipped: transformers' assisted generation cannot run an EAGLE draft, "
                       "which reads the target's hidden states (pass a standalone --draft to compare)")
@@ -162,7 +170,7 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
             return [{k: v for k, v in r.items() if k != "token_ids"} for r in peers.generate_llamacpp(llama, prompts, params)]
 
         engines["llamacpp"] = llamacpp_engine
-    return Engines({name: engines[name] for name in config.methods if name in engines}, held, decoders["auto"])
+    return Engines({name: engines[name] for name in config.methods if name in engines}, held, decoders)
 
 
 def runnable(method: str, batch: int) -> bool:
@@ -174,14 +182,12 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
     if out_dir is not None:
         report.require_matplotlib()
     torch.manual_seed(config.seed)
-    method = "ssd" if "ssd" in config.methods else "ar"  # the LLM's own decoder: SSD's owns the worker
     everything = usable_cores(), config.threads or torch.get_num_threads()
     # no prefix caching: every method prefills every prompt, however often the bench repeats it
-    llm = LLM(config.model, replace(config.speculative, method=method), dtype=config.dtype,
+    llm = LLM(config.model, replace(config.speculative, method="ar"), dtype=config.dtype,
               quantization=config.quantization, enable_prefix_caching=False)
-    cores = {"all": everything, "ssd": (usable_cores(), torch.get_num_threads())}  # SSD's split, if any
-    llm_engine = llm.engine  # SSD's own: it owns the worker, which close() stops
-    ssd_decoder = llm.decoder if method == "ssd" else None
+    cores = {"all": everything}
+    llm_engine = llm.engine
     steps = [(d, t, b, i) for d in config.datasets for t in config.temperatures for b in config.batch_sizes
              for i in range(0, config.num_prompts, b)]
     sweep_runs = len(config.fan_out_sweep) * config.num_prompts
@@ -193,8 +199,8 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
         total = sum(runnable(m, b) for _, _, b, _ in steps for m in engines) + sweep_runs
         with tqdm(total=total, desc="bench", unit="run") as bar:
             for turn, (dataset, temperature, batch, start) in enumerate(steps):
-                if start == 0 and ssd_decoder is not None:
-                    ssd_decoder.stats = SSDStats()
+                if start == 0 and built.ssd is not None:
+                    built.ssd.stats = SSDStats()
                 if start == 0 and built.auto is not None:
                     built.auto.controller.rounds_by_choice.clear()  # what it chose in this group
                 names = [m for m in engines if runnable(m, batch)]
@@ -211,14 +217,13 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
                                         "batch": batch, "prompt": start + j, "batch_wall_s": wall, "cores": held[name],
                                         "batch_tokens": sum(r["num_output_tokens"] for r in results), **result})
                     bar.update()
-                if start + batch >= config.num_prompts and ssd_decoder is not None:
-                    engine_stats[report.key(dataset, temperature, batch)] = ssd_decoder.stats.summary()
+                if start + batch >= config.num_prompts and built.ssd is not None:
+                    engine_stats[report.key(dataset, temperature, batch)] = built.ssd.stats.summary()
                 if start + batch >= config.num_prompts and built.auto is not None:
                     chosen = built.auto.controller.summary()["auto_rounds_by_k"]
                     auto_choices[report.key(dataset, temperature, batch)] = chosen
             llm.engine = llm_engine
-            llm.close()  # the sweep's worker needs the draft core now; closing again below is a no-op
-            built.close()
+            built.close()  # the sweep's worker needs the draft core now; closing again below is a no-op
             sweep = fan_out_sweep(config, prompts[config.datasets[0]], bar) if config.fan_out_sweep else None
     finally:
         llm.engine = llm_engine
@@ -244,17 +249,18 @@ def fan_out_sweep(config: BenchConfig, prompts: list[list[int]], bar: tqdm | Non
     llm = LLM(config.model, replace(config.speculative, method="ssd", fan_out=[max(fan_outs)] * (k + 1)),
               dtype=config.dtype, quantization=config.quantization, enable_prefix_caching=False)
     points = []
+    ssd: RemoteProposer = llm.decoder.policy.choice.proposer
     try:
         for f in fan_outs:
-            llm.decoder.set_fan_out([f] * (k + 1))
-            llm.decoder.stats = SSDStats()
+            ssd.set_fan_out([f] * (k + 1))
+            ssd.stats = SSDStats()
             params = SamplingParams(temperature=temperature, max_tokens=config.max_tokens,
                                     ignore_eos=config.ignore_eos, seed=config.seed)
             for prompt in prompts:
                 llm.generate([prompt], params, use_tqdm=False)
                 if bar is not None:
                     bar.update()
-            summary = llm.decoder.stats.summary()
+            summary = ssd.stats.summary()
             points.append({"fan_out": f, "cache_hit_rate": summary["cache_hit_rate"],
                            "t_p_median": summary["t_p_median"]})
     finally:

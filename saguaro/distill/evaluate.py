@@ -14,7 +14,7 @@ from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel
 from saguaro.speculation.local.drafters import model_drafter
 from saguaro.speculation.policy.planning import acceptance_rate
-from saguaro.speculation.sd import SDDecoder
+from saguaro.speculation.build import sd_decoder
 
 
 @dataclass
@@ -41,7 +41,7 @@ def speculate(target: LlamaModel, draft: LlamaModel, prompt: list[int], k: int, 
               new_tokens: int, eos_ids: set[int], seed: int) -> list[int]:
     """Speculative decoding of one prompt with the engine's SD decoder; returns the acceptance
     length of every round."""
-    decoder = SDDecoder(target, model_drafter(draft, k))
+    decoder = sd_decoder(target, model_drafter(draft, k))
     seq = Sequence(0, prompt, SamplingParams(temperature=temperature, max_tokens=new_tokens, seed=seed), list(eos_ids))
     decoder.reserve(1, len(prompt) + new_tokens + decoder.lookahead)
     decoder.prefill([seq])

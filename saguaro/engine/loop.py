@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from saguaro.engine.decoders import Decoder
+from saguaro.engine.round import Decoder
 from saguaro.engine.sequence import Sequence
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from saguaro.engine.proposal import Outcome
 from saguaro.engine.sampler import sample
 
 
@@ -33,7 +34,7 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: 
     return accepted_len, sample(residual, u_bonus)
 
 
-def verify_greedy(draft_tokens: list[list[int]], target_tokens: list[list[int]]) -> list[tuple[int, int]]:
+def verify_greedy(draft_tokens: list[list[int]], target_tokens: list[list[int]]) -> list[Outcome]:
     """`verify` for a greedy target, whose distributions are point masses on target_tokens
     [B][K+1] (its argmaxes): whatever the draft's distribution, a draft is accepted iff it
     equals the argmax, and the bonus is the argmax after the accepted prefix. Returns each
@@ -44,7 +45,7 @@ def verify_greedy(draft_tokens: list[list[int]], target_tokens: list[list[int]])
         accepted_len = 0
         while accepted_len < len(drafts) and drafts[accepted_len] == targets[accepted_len]:
             accepted_len += 1
-        outcomes.append((accepted_len, targets[accepted_len]))
+        outcomes.append(Outcome(accepted_len, targets[accepted_len]))
     return outcomes
 
 

@@ -1,4 +1,5 @@
-"""The decoder a SpeculativeConfig describes: AR, SD with its drafter, or SSD with its worker."""
+"""The decoder a SpeculativeConfig describes: the verifier, and the policy with its proposers
+(AR: none; SD: the draft in this process; SSD: the draft workers; auto: both, chosen by round)."""
 from __future__ import annotations
 
 import hashlib
@@ -13,19 +14,21 @@ from pathlib import Path
 import torch
 
 from saguaro.config import SpeculativeConfig
-from saguaro.engine.decoders import ARDecoder, Decoder
+from saguaro.engine.round import Choice, Decoder, FixedPolicy
+from saguaro.engine.verifier import Verifier
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
 from saguaro.models.loader import IncompatibleDraftError, load_draft
-from saguaro.models.prefix_cache import new_prefix_cache
-from saguaro.speculation.policy.auto import AutoDecoder, CoreShare, SSDLauncher
-from saguaro.system import split_cores, usable_cores, use_cores
-from saguaro.speculation.remote.client import DraftClient, WorkerConfig
+from saguaro.models.prefix_cache import PrefixCache, new_prefix_cache
 from saguaro.speculation.local.drafters import Drafter, PromptLookupDrafter, model_drafter
+from saguaro.speculation.local.proposer import DraftProposer
+from saguaro.speculation.policy.auto import AutoPolicy, SSDLauncher
 from saguaro.speculation.policy.planning import GeometricPlan, geometric_fan_out, uniform_fan_out
+from saguaro.speculation.protocol import DraftSpec
+from saguaro.speculation.remote.client import DraftClient, WorkerConfig
 from saguaro.speculation.remote.pool import DraftPool
-from saguaro.speculation.sd import SDDecoder
-from saguaro.speculation.remote.ssd import SSDDecoder
+from saguaro.speculation.remote.proposer import RemoteProposer
+from saguaro.system import CoreShare, split_cores, usable_cores, use_cores
 
 
 def draft_path(spec: SpeculativeConfig, model: str) -> Path | None:
@@ -54,15 +57,16 @@ def fan_out_plan(spec: SpeculativeConfig) -> tuple[list[int], GeometricPlan | No
     return list(spec.fan_out), None
 
 
-def ssd_decoder(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: str | None,
-                prefix_cache_mb: float = 0.0) -> SSDDecoder:
-    """SSD with new draft workers: spec.num_draft_workers on this machine (pinned to `cpus`),
-    or one at each of spec.draft_address's comma-separated addresses; several make a DraftPool.
-    prefix_cache_mb: the budget of the target's prefix cache, and of each draft's."""
-    fan_out, plan = fan_out_plan(spec)
+def start_workers(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: str | None,
+                  prefix_cache_mb: float = 0.0) -> DraftPool:
+    """New draft workers: spec.num_draft_workers on this machine (pinned to `cpus`), or one at
+    each of spec.draft_address's comma-separated addresses. prefix_cache_mb: each draft's
+    prefix cache."""
+    fan_out, _ = fan_out_plan(spec)
     addresses = spec.draft_address.split(",") if spec.draft_address else [None] * spec.num_draft_workers
-    configs = [WorkerConfig(replace(spec, draft=str(path), fan_out=fan_out, draft_address=address),
-                            str(target.dtype).removeprefix("torch."), cpus, prefix_cache_mb, target.quantization)
+    configs = [WorkerConfig(DraftSpec(replace(spec, draft=str(path), fan_out=fan_out, draft_address=address),
+                                      str(target.dtype).removeprefix("torch."), prefix_cache_mb, target.quantization),
+                            cpus)
                for address in addresses]
     embeddings = target.embed_tokens.weight.detach().cpu()
     with ThreadPoolExecutor(len(configs)) as starting:  # the workers load at once
@@ -77,9 +81,31 @@ def ssd_decoder(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: s
             raise failed[0]
         raise IncompatibleDraftError(f"the draft's vocabulary ({vocab.pop()} tokens) does not "
                                      f"match the target's ({target.config.vocab_size})")
-    client = clients[0] if len(clients) == 1 else DraftPool(clients)
-    prefix_cache = None if client.ready.reads_features else new_prefix_cache(prefix_cache_mb)
-    return SSDDecoder(target, client, spec.backup, plan, prefix_cache)
+    return DraftPool(clients)
+
+
+def ssd_proposer(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: str | None,
+                 prefix_cache_mb: float = 0.0, cores: CoreShare | None = None) -> RemoteProposer:
+    """SSD's proposer over new draft workers (see start_workers)."""
+    pool = start_workers(target, spec, path, cpus, prefix_cache_mb)
+    return RemoteProposer(pool, spec.backup, fan_out_plan(spec)[1], target.config.vocab_size, cores)
+
+
+def ar_decoder(target: LlamaModel, prefix_cache: PrefixCache | None = None) -> Decoder:
+    return Decoder(Verifier(target, prefix_cache))
+
+
+def sd_decoder(target: LlamaModel, drafter: Drafter, prefix_cache: PrefixCache | None = None) -> Decoder:
+    return Decoder(Verifier(target, prefix_cache), FixedPolicy(Choice(DraftProposer(drafter), drafter.k, "sd")))
+
+
+def ssd_decoder(proposer: RemoteProposer, target: LlamaModel, prefix_cache: PrefixCache | None = None) -> Decoder:
+    return Decoder(Verifier(target, prefix_cache), FixedPolicy(Choice(proposer, proposer.k, "ssd")))
+
+
+def auto_decoder(target: LlamaModel, drafter: Drafter, ssd: SSDLauncher | None = None,
+                 prefix_cache: PrefixCache | None = None, profile: Path | None = None) -> Decoder:
+    return Decoder(Verifier(target, prefix_cache), AutoPolicy(DraftProposer(drafter), ssd, profile))
 
 
 def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
@@ -93,25 +119,27 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
         return None
     cpus = None if elsewhere else str(cores[-1])
 
-    def start() -> Future[SSDDecoder]:
-        future: Future[SSDDecoder] = Future()
+    cores = CoreShare.of(cpus)
+
+    def start() -> Future[RemoteProposer]:
+        future: Future[RemoteProposer] = Future()
 
         def run() -> None:
             try:
-                decoder = ssd_decoder(target, spec, path, cpus, prefix_cache_mb)
+                proposer = ssd_proposer(target, spec, path, cpus, prefix_cache_mb, None if elsewhere else cores)
             except Exception as e:
                 if not future.cancelled():
                     future.set_exception(e)
                 return
             try:
-                future.set_result(decoder)
+                future.set_result(proposer)
             except InvalidStateError:  # auto closed meanwhile
-                decoder.close()
+                proposer.close()
 
         threading.Thread(target=run, name="saguaro-auto-ssd", daemon=True).start()
         return future
 
-    return SSDLauncher(start, CoreShare.of(cpus), max(1, sum(fan_out_plan(spec)[0])))
+    return SSDLauncher(start, cores, max(1, sum(fan_out_plan(spec)[0])))
 
 
 def auto_profile_path(target: LlamaModel, spec: SpeculativeConfig, model: str, draft: Path) -> Path | None:
@@ -128,27 +156,31 @@ def auto_profile_path(target: LlamaModel, spec: SpeculativeConfig, model: str, d
     return hub.cache_dir() / "auto" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix_cache_mb: float = 0.0) -> Decoder:
+def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix_cache_mb: float = 0.0,
+                 keep_profile: bool = True) -> Decoder:
     """model: the target's name or path, which picks its shipped draft. prefix_cache_mb: the
     budget of the target's prefix cache and of the draft's (0: no prefix caching). A draft
-    that reads the target's hidden states needs them over whole prompts: neither gets one."""
+    that reads the target's hidden states needs them over whole prompts: neither gets one.
+    keep_profile: auto starts from what an earlier process measured, and keeps what it measures."""
     path = None if spec.method == "ar" else draft_path(spec, model)
     if path is None:
-        return ARDecoder(target, new_prefix_cache(prefix_cache_mb))
+        return ar_decoder(target, new_prefix_cache(prefix_cache_mb))
     if spec.method in ("sd", "auto"):
         drafter = sd_drafter(load_draft(path, target), spec, prefix_cache_mb)
         prefix_cache = None if drafter.reads_target_features else new_prefix_cache(prefix_cache_mb)
         if spec.method == "sd":
-            return SDDecoder(target, drafter, prefix_cache)
+            return sd_decoder(target, drafter, prefix_cache)
         ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path, prefix_cache_mb)
-        return AutoDecoder(target, drafter, ssd, prefix_cache, auto_profile_path(target, spec, model, path))
+        profile = auto_profile_path(target, spec, model, path) if keep_profile else None
+        return auto_decoder(target, drafter, ssd, prefix_cache, profile)
     cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device,
                                                                               spec.num_draft_workers)
     try:
-        decoder = ssd_decoder(target, spec, path, cpus, prefix_cache_mb)
+        proposer = ssd_proposer(target, spec, path, cpus, prefix_cache_mb)
     except BaseException:
         if cores_before is not None:
             use_cores(*cores_before)
         raise
-    decoder.cores_before = cores_before
-    return decoder
+    proposer.cores_before = cores_before
+    prefix_cache = None if proposer.reads_target_features else new_prefix_cache(prefix_cache_mb)
+    return ssd_decoder(proposer, target, prefix_cache)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from saguaro.config import SpeculativeConfig
+from saguaro.config import Backup, SpeculativeConfig
+from saguaro.engine.proposal import Outcome
 from saguaro.engine.sampler import SamplingParams
 
 
@@ -28,14 +29,20 @@ class DraftUnavailable(RuntimeError):
 # --- messages --------------------------------------------------------------------------------
 
 @dataclass
-class Hello:
-    """Target -> worker, once: what to load and how to speculate."""
+class DraftSpec:
+    """What a worker loads and how it speculates."""
     speculative: SpeculativeConfig  # draft: the checkpoint's path on the worker's host; fan_out: K+1 counts
     dtype: str
-    embeddings: torch.Tensor | None  # the target's table, for drafts that borrow it
-    incarnation: int = 0  # workers started before this one for the same engine (restarts)
     prefix_cache_mb: float = 0.0  # the draft's prefix cache (0: none)
     quantization: str | None = None  # the target's mode, which a float draft follows (loader.load_draft)
+
+
+@dataclass
+class Hello:
+    """Target -> worker, once."""
+    draft: DraftSpec
+    embeddings: torch.Tensor | None  # the target's table, for drafts that borrow it
+    incarnation: int = 0  # workers started before this one for the same engine (restarts)
 
 
 @dataclass
@@ -52,10 +59,10 @@ class Prefill:
 @dataclass
 class SpecRequest:
     """Target -> worker: each request's outcome of the last verification (None on its first
-    round) and the speculations wanted next. `backup` is "neural" or "fast"."""
+    round) and the speculations wanted next, with the backup for a miss (neural or fast)."""
     seq_ids: list[int]
-    outcomes: list[tuple[int, int] | None]  # (accepted_len, bonus_token)
-    backup: str
+    outcomes: list[Outcome | None]
+    backup: Backup
     fan_out: list[int] | None = None  # a new fan-out, when the engine re-plans it
     # EAGLE drafts: the target's hidden states at the tokens it ran and committed last round,
     # [accepted_len + 1, hidden] per request (None on its first round).
@@ -85,17 +92,23 @@ def dense_probs(probs: torch.Tensor | SparseProbs | None) -> torch.Tensor | None
 
 
 @dataclass
+class RequestSpeculation:
+    """One request's next K tokens, and the distributions they were drawn from over the draft's
+    head rows ([K, head rows], sparse when the worker drafts from its top tokens; None at
+    temperature 0 or for copied tokens: point masses)."""
+    tokens: list[int]
+    probs: torch.Tensor | SparseProbs | None = None
+    hit: bool | None = None  # whether the worker had it cached; None: its first round (nothing to hit)
+    lookup: bool = False  # copied from the text (prompt lookup)
+    shared: bool = False  # a hit on another request's branch (worker/cache.py)
+
+
+@dataclass
 class Speculation:
-    """Worker -> target: K tokens per request, whether they came from the cache, and the
-    distributions they were drawn from over the draft's head rows ([K, head rows], sparse when
-    the worker drafts from its top tokens; None at temperature 0: point masses)."""
-    tokens: list[list[int]]
-    hits: list[bool]
-    probs: list[torch.Tensor | SparseProbs | None]
-    fill_time_s: float  # time the worker spent filling the cache in the previous round
-    backup_time_s: float  # time spent on misses in this reply
-    lookups: list[bool] | None = None  # which speculations were copied from the text (prompt lookup)
-    shared: list[bool] | None = None  # which hits were another request's branch (cache.py)
+    """Worker -> target: the requests' speculations, in the order asked."""
+    requests: list[RequestSpeculation]
+    fill_time_s: float = 0.0  # time the worker spent filling the cache in the previous round
+    backup_time_s: float = 0.0  # time spent on misses in this reply
     drafted_tokens: int = 0  # draft tokens the worker decoded since its last reply (tree and backup)
 
 

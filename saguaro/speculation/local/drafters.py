@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from saguaro.engine.proposal import Proposal
 from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
 from saguaro.engine.verify import point_masses
@@ -32,16 +32,6 @@ class Drafted(Protocol):
     token_ids: list[int]  # committed tokens, prompt included
     params: SamplingParams
     generator: torch.Generator  # the sequence's own random stream
-
-
-@dataclass
-class Proposal:
-    tokens: torch.Tensor  # [B, K] vocabulary ids
-    probs: torch.Tensor | None  # [B, K, V]: the distributions really sampled from; None: point masses
-    # sequences a draft model drafted one step at a time, with no more than the last round's
-    # tokens to catch up on: the rounds whose time says what a draft step costs (method="auto")
-    steady_rows: int = 0
-    looked_up: list[int] = field(default_factory=list)  # sequences whose tokens prompt lookup proposed
 
 
 class Drafter(ABC):

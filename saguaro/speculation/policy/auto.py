@@ -40,7 +40,6 @@ import bisect
 import json
 import math
 import os
-import time
 import warnings
 import weakref
 from collections import Counter
@@ -49,19 +48,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from saguaro.engine.decoders import ARDecoder
+from saguaro.engine.round import AR, Choice, Proposer, RoundRecord
 from saguaro.engine.sequence import Sequence
-from saguaro.models.llama import LlamaModel
-from saguaro.models.prefix_cache import PrefixCache
-from saguaro.system import use_cores, usable_cores
-from saguaro.speculation.local.drafters import Drafter
-from saguaro.speculation.sd import SDDecoder
-from saguaro.speculation.remote.ssd import SSDDecoder
+from saguaro.speculation.local.proposer import DraftProposer
+from saguaro.speculation.remote.proposer import RemoteProposer
+from saguaro.system import CoreShare, use_cores
 
-SSD = "ssd"  # the controller's choice of an SSD round; the others are K = 0..K_max
-Choice = int | str
+SSD = "ssd"  # the controller's option of an SSD round
+Option = int | str  # K = 0..K_max, or SSD
 
 HYSTERESIS = 0.05  # a switch needs this much more predicted throughput
 EXPLORE_WITHIN = 0.85  # an untried choice predicted at least this share of the best is tried once
@@ -137,16 +131,16 @@ class Controller:
     # (SD's acceptance length 2.5 greedy, 1.4-1.6 at T = 0.7 on the default model).
     sampling: bool = False
     # (batch bucket, sampling, choice) -> decayed sums of committed tokens, seconds and rounds
-    measured: dict[tuple[int, bool, Choice], list[float]] = field(default_factory=dict)
+    measured: dict[tuple[int, bool, Option], list[float]] = field(default_factory=dict)
     ssd_cores_ratio: float | None = None  # all cores / SSD's target cores; None: no SSD worker (yet)
     ssd_branches: int = 1  # branches the worker pre-drafts per request (its fan-out's sum)
     ssd_slowdown: float | None = None  # measured: SSD's verification / the same pass on all cores
     ssd_hits: list[int] = field(default_factory=lambda: [0, 0])  # sequence rounds that hit, that missed
     ssd_tokens: list[int] = field(default_factory=lambda: [0, 0])  # ... and the tokens they committed
     bucket_rounds: Counter = field(default_factory=Counter)  # measured rounds per (batch bucket, sampling)
-    last_measured: dict[tuple[int, bool, Choice], int] = field(default_factory=dict)  # ... at its latest round
-    refresh_after: dict[tuple[int, bool, Choice], int] = field(default_factory=dict)  # rounds before a refresh (is_stale)
-    current: Choice | None = None
+    last_measured: dict[tuple[int, bool, Option], int] = field(default_factory=dict)  # ... at its latest round
+    refresh_after: dict[tuple[int, bool, Option], int] = field(default_factory=dict)  # rounds before a refresh (is_stale)
+    current: Option | None = None
     stint: int = 0  # rounds since the last switch
     rounds_by_choice: Counter = field(default_factory=Counter)
     switches: int = 0
@@ -199,7 +193,7 @@ class Controller:
             self._expected[self.sampling] = table
         return self._expected[self.sampling][k]
 
-    def predicted_rate(self, batch: int, choice: Choice) -> float | None:
+    def predicted_rate(self, batch: int, choice: Option) -> float | None:
         """Committed tokens per second; None where the model lacks a measurement."""
         k = self.max_k if choice == SSD else choice
         target = self.target(batch * (k + 1))
@@ -234,7 +228,7 @@ class Controller:
         others = [r for k in range(self.max_k + 1) if (r := self.rate(batch, k)) is not None]
         return max(others) * (1 + HYSTERESIS) < self._predicted_ssd(batch, target, step, self.ssd_slowdown or cores_ratio)
 
-    def rate(self, batch: int, choice: Choice) -> float | None:
+    def rate(self, batch: int, choice: Option) -> float | None:
         """The measured rate at this batch size, shrunk towards the prediction by PRIOR_ROUNDS."""
         predicted = self.predicted_rate(batch, choice)
         if not self.was_measured(batch, choice):
@@ -245,11 +239,11 @@ class Controller:
             return observed
         return (rounds * observed + PRIOR_ROUNDS * predicted) / (rounds + PRIOR_ROUNDS)
 
-    def was_measured(self, batch: int, choice: Choice) -> bool:
+    def was_measured(self, batch: int, choice: Option) -> bool:
         """Whether a round of this choice at this batch size counted (after its warm-up)."""
         return self.measured.get((*self.bucket(batch), choice), (0, 0, 0))[2] > 0
 
-    def is_stale(self, batch: int, choice: Choice) -> bool:
+    def is_stale(self, batch: int, choice: Option) -> bool:
         """Whether the choice's measured rate at this batch size is more than REFRESH_ROUNDS
         rounds old, twice that after each refresh of it: the machine, the text and the
         temperature may have changed since, and a measurement taken in a bad moment would
@@ -259,7 +253,7 @@ class Controller:
         key = (*self.bucket(batch), choice)
         return self.bucket_rounds[key[:2]] - self.last_measured.get(key, 0) > self.refresh_after.get(key, REFRESH_ROUNDS)
 
-    def _refresh(self, batch: int, choice: Choice) -> Choice:
+    def _refresh(self, batch: int, choice: Option) -> Option:
         """Drops a stale choice's measured rate (its passes' costs stay), so that the round about
         to run measures it anew."""
         key = (*self.bucket(batch), choice)
@@ -268,10 +262,10 @@ class Controller:
         self.refresh_after[key] = 2 * self.refresh_after.get(key, REFRESH_ROUNDS)
         return choice
 
-    def choices(self) -> list[Choice]:
+    def choices(self) -> list[Option]:
         return list(range(self.max_k + 1)) + ([SSD] if self.ssd_cores_ratio else [])
 
-    def choose(self, batch: int, can_try: bool = True) -> Choice:
+    def choose(self, batch: int, can_try: bool = True) -> Option:
         """AR and the largest K run first, so both costs are measured; then the best rate,
         after one try of any untried choice the model rates close to it. can_try: whether a try
         (of an untried or a stale choice) may run now; not while the batch holds requests whose
@@ -305,7 +299,7 @@ class Controller:
             return self._pick(self.current)
         return self._pick(best)
 
-    def _pick(self, choice: Choice) -> Choice:
+    def _pick(self, choice: Option) -> Option:
         if self.current is not None and choice != self.current:
             self.switches += 1
             self.stint = 0
@@ -389,7 +383,7 @@ class Controller:
         draft worker was loading on one of the target's cores say little about later ones."""
         self.target, self.draft_step, self.measured = RowCosts(), RowCosts(), {}
 
-    def _measure(self, batch: int, choice: Choice, committed: int, seconds: float) -> None:
+    def _measure(self, batch: int, choice: Option, committed: int, seconds: float) -> None:
         """Adds a round to its choice's rate at this batch size; the first is a warm-up (see RowCosts)."""
         key = (*self.bucket(batch), choice)
         self.bucket_rounds[key[:2]] += 1
@@ -433,31 +427,11 @@ def write_profile(controller: Controller, path: Path) -> None:
 
 
 @dataclass
-class CoreShare:
-    """The cores and threads the target runs on: all of them for AR and SD, fewer for SSD
-    where its draft worker holds one of this machine's cores."""
-    all: tuple[set[int], int]
-    ssd: tuple[set[int], int]
-
-    @classmethod
-    def of(cls, worker_cpus: str | None) -> CoreShare:
-        everything = usable_cores(), torch.get_num_threads()
-        if worker_cpus is None:  # the worker is elsewhere: SSD keeps every core
-            return cls(everything, everything)
-        rest = everything[0] - {int(c) for c in worker_cpus.split(",")}
-        return cls(everything, (rest, max(1, min(everything[1], len(rest)))))
-
-    @property
-    def ratio(self) -> float:
-        return self.all[1] / self.ssd[1]
-
-
-@dataclass
 class SSDLauncher:
     """How auto gets SSD: `start` begins its worker's start in the background. A worker on
     hardware of its own (another device or host) starts at once; one on the target's own cores
     only once the controller predicts that SSD pays (`Controller.ssd_would_pay`)."""
-    start: Callable[[], Future[SSDDecoder]]
+    start: Callable[[], Future[RemoteProposer]]
     cores: CoreShare
     branches: int  # the branches the worker pre-drafts per request (its first fan-out's sum)
 
@@ -466,45 +440,43 @@ class SSDLauncher:
         return self.cores.ssd == self.cores.all
 
 
-class AutoDecoder(SDDecoder):
-    """SD whose K the Controller picks each round, K = 0 being a plain AR round; and, once
-    `ssd`'s worker is up, SSD rounds on the same target KV cache, on the cores `cores.ssd`."""
+class AutoPolicy:
+    """Chooses each round (see the module docstring): K = 0 (a plain AR round) or SD with the
+    draft's K, and, once `ssd`'s worker is up, SSD rounds on the cores `cores.ssd`."""
 
-    def __init__(self, target: LlamaModel, drafter: Drafter, ssd: SSDLauncher | None = None,
-                 prefix_cache: PrefixCache | None = None, profile: Path | None = None):
-        super().__init__(target, drafter, prefix_cache)
-        self.controller = Controller(drafter.k)
+    def __init__(self, draft: DraftProposer, ssd: SSDLauncher | None = None, profile: Path | None = None):
+        self.draft = draft
+        self.max_k = draft.drafter.k
+        self.controller = Controller(self.max_k)
         self.profile = profile  # where the controller's profile is kept for the next process (see read_profile)
         if profile is not None:
             if (earlier := read_profile(profile)) is not None:
                 self.controller.start_from(earlier)
             weakref.finalize(self, write_profile, self.controller, profile)
-        self.launcher, self.ssd_starting, self.ssd = ssd, None, None
+        self._choices = [AR] + [Choice(draft, k, "sd") for k in range(1, self.max_k + 1)]
+        self.launcher, self.ssd_starting = ssd, None
+        self.ssd: RemoteProposer | None = None
         self.cores = ssd.cores if ssd is not None else None
-        self.on_ssd_cores = self.worker_loading = False
-        self.undrafted: set[int] = set()  # sequences whose prompt the drafter has not run yet
+        self.worker_loading = False
         self.rounds = 0
         if ssd is not None:
             self.controller.ssd_branches = ssd.branches
             if ssd.on_own_hardware:
                 self._start_ssd()
 
+    def proposers(self) -> list[Proposer]:
+        return [self.draft] if self.ssd is None else [self.draft, self.ssd]
+
     def _start_ssd(self) -> None:
         """Starts SSD's worker. While it loads on one of the target's cores, the target keeps off
-        that core: its threads would each wait for the one sharing it (measured on 2 cores: a
-        one-request chat decoded 32 tok/s against AR's 160)."""
+        that core: its threads would each wait for the one sharing it (on 2 cores a one-request
+        chat decoded at a fifth of AR's rate)."""
         self.ssd_starting, self.launcher = self.launcher.start(), None
         self.worker_loading = self.cores.ssd != self.cores.all
         if self.worker_loading:
             use_cores(*self.cores.ssd)
 
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """The target's prefill only: the drafter runs a prompt before the sequence's first SD
-        round, so requests that auto decodes without speculation never pay for it."""
-        ARDecoder.prefill(self, seqs)
-        self.undrafted.update(s.seq_id for s in seqs)
-
-    def step(self, seqs: list[Sequence]) -> None:
+    def choose(self, seqs: list[Sequence]) -> Choice:
         self._adopt_ssd()
         self.rounds += 1
         self.controller.sampling = not all(s.params.greedy for s in seqs)
@@ -513,38 +485,32 @@ class AutoDecoder(SDDecoder):
         if self.launcher is not None and self.rounds % SSD_CHECK_ROUNDS == 1 and \
                 self.controller.ssd_would_pay(len(seqs), self.cores.ratio):
             self._start_ssd()
-        choice = self.controller.choose(len(seqs), can_try=not any(s.seq_id in self.undrafted for s in seqs))
-        if choice == SSD:
-            return self._ssd_step(seqs)
-        self._leave_ssd()
-        entered = time.perf_counter()
-        if choice and (new := [s for s in seqs if s.seq_id in self.undrafted]):
-            self.drafter.prefill(new)
-            self.undrafted.difference_update(s.seq_id for s in new)
-        before = sum(len(s) for s in seqs)
-        started = time.perf_counter()
-        if choice == 0:
-            ARDecoder.step(self, seqs)
-            drafted, outcomes = started, []
-        else:
-            self.drafter.set_num_tokens(choice)
-            proposal = self.drafter.propose(seqs)
-            drafted = time.perf_counter()
-            outcomes = self.verify_proposal(seqs, proposal)
-        verified = time.perf_counter()
-        looked_up = set(proposal.looked_up) if choice else set()
-        self.controller.record(len(seqs), choice, verified - drafted, drafted - started,
-                               [n for i, (n, _) in enumerate(outcomes) if i not in looked_up],
-                               sum(len(s) for s in seqs) - before, started - entered,
-                               len(seqs) if choice == 0 else proposal.steady_rows,
-                               [n for i, (n, _) in enumerate(outcomes) if i in looked_up])
+        choice = self.controller.choose(len(seqs), can_try=all(self.draft.knows(s) for s in seqs))
+        return Choice(self.ssd, self.max_k, "ssd") if choice == SSD else self._choices[choice]
+
+    def observe(self, record: RoundRecord) -> None:
+        """Records the round's costs, acceptance and committed tokens in the controller. The
+        draft's first run of new prompts (proposal.start_s) is SD's price of entry: charged to
+        the round's rate, not to the draft step."""
+        proposal, batch = record.proposal, len(record.seqs)
+        if record.choice.name == "ssd":
+            if proposal is not None and self.controller.stint > 1:  # a measured SSD round
+                self.controller.record_ssd(batch, record.verify_s, record.propose_s, proposal.hits,
+                                           [len(s) - n for s, n in zip(record.seqs, record.lengths_before)])
+            return
+        k = record.choice.k if proposal is not None else 0
+        looked_up = set(proposal.looked_up) if proposal is not None else set()
+        accepted = [o.accepted_len for i, o in enumerate(record.outcomes) if i not in looked_up] if k else []
+        self.controller.record(batch, k, record.verify_s, record.propose_s, accepted, record.committed,
+                               proposal.start_s if proposal is not None else 0.0,
+                               batch if proposal is None else proposal.steady_rows,
+                               [record.outcomes[i].accepted_len for i in sorted(looked_up)])
 
     def _adopt_ssd(self) -> None:
-        """Takes the SSD decoder once its worker is up (a worker that failed to start leaves
-        auto without SSD, with a warning); SSD is no choice while a lost worker is replaced."""
+        """Takes SSD's proposer once its worker is up (a worker that failed to start leaves auto
+        without SSD, with a warning); SSD is no choice while no worker is up."""
         if self.ssd is not None:
-            restarted = self.ssd.restart is not None and self.ssd.restart.done()
-            self.controller.ssd_cores_ratio = None if self.ssd.draft_lost and not restarted else self.cores.ratio
+            self.controller.ssd_cores_ratio = self.cores.ratio if self.ssd.available else None
         if self.ssd_starting is None or not self.ssd_starting.done():
             return
         starting, self.ssd_starting = self.ssd_starting, None
@@ -572,43 +538,8 @@ class AutoDecoder(SDDecoder):
                 pass  # _adopt_ssd warns
             self._adopt_ssd()
 
-    def _ssd_step(self, seqs: list[Sequence]) -> None:
-        """One SSD round on this decoder's KV cache. The worker first gets the sequences it
-        does not know, from their committed tokens (their first round cannot hit)."""
-        ssd = self.ssd
-        ssd.cache, ssd.rows = self.cache, self.rows
-        use_cores(*self.cores.ssd)  # every round: a caller may have moved this process meanwhile
-        self.on_ssd_cores = True
-        new = [s for s in seqs if s.seq_id not in ssd.outcomes]
-        if new and not ssd.draft_lost:
-            ssd.hand_over(new)
-        first = [ssd.outcomes.get(s.seq_id) is None for s in seqs]
-        before = [len(s) for s in seqs]
-        rounds = len(ssd.stats.verify_s)
-        ssd.step(seqs)
-        if len(ssd.stats.verify_s) > rounds and self.controller.stint > 1:  # a measured SSD round
-            hits = [None if was_first else s.stats.cache_hits[-1] for s, was_first in zip(seqs, first)]
-            self.controller.record_ssd(len(seqs), ssd.stats.verify_s[-1], ssd.stats.wait_s[-1], hits,
-                                       [len(s) - n for s, n in zip(seqs, before)])
-
-    def _leave_ssd(self) -> None:
-        """After SSD rounds: the worker forgets its sequences (they are stale from here) and
-        the target gets all the cores back."""
-        if not self.on_ssd_cores:
-            return
-        use_cores(*self.cores.all)
-        self.on_ssd_cores = False
-        self.ssd.forget(list(self.ssd.outcomes))
-
-    def release(self, seqs: list[Sequence]) -> None:
-        super().release(seqs)
-        self.undrafted.difference_update(s.seq_id for s in seqs)
-        if self.ssd is not None:
-            self.ssd.forget([s.seq_id for s in seqs if s.seq_id in self.ssd.outcomes])
-
     def metrics(self) -> dict:
-        return {**(self.ssd.metrics() if self.ssd is not None else {}), **super().metrics(),
-                **self.controller.summary()}
+        return self.controller.summary()
 
     def close(self) -> None:
         """Stops the SSD worker (or its start) and gives the target all the cores back."""
@@ -617,6 +548,5 @@ class AutoDecoder(SDDecoder):
         if self.ssd is not None:
             self.ssd.close()
             self.ssd = None
-        if self.on_ssd_cores:
             use_cores(*self.cores.all)
-            self.on_ssd_cores = False
+        self.draft.close()

@@ -17,9 +17,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from saguaro.config import SpeculativeConfig
 from saguaro.engine.sampler import SamplingParams
-from saguaro.speculation.protocol import (Channel, DraftUnavailable, Hello, Prefill, Ready, Release, Shutdown,
+from saguaro.speculation.protocol import (Channel, DraftSpec, DraftUnavailable, Hello, Prefill, Ready, Release, Shutdown,
                                           Speculation, SpecRequest)
 
 MEASURED_ROUNDS = 3  # replies measured before the timeout follows them
@@ -28,11 +27,10 @@ RESTART_BACKOFF_S = (1.0, 60.0)  # first and longest wait between failed restart
 
 @dataclass
 class WorkerConfig:
-    speculative: SpeculativeConfig  # draft: the checkpoint's path on the worker's host; fan_out: K+1 counts
-    dtype: str
+    """A worker to start or await: what it loads (sent in the Hello), and what the engine's
+    side alone needs to know of it."""
+    draft: DraftSpec
     cpus: str | None = None  # cores to pin a local CPU worker to
-    prefix_cache_mb: float = 0.0  # the draft's prefix cache (0: none)
-    quantization: str | None = None  # the target's mode, which a float draft follows (loader.load_draft)
     # How long the worker may stay silent before it counts as gone (then it is replaced):
     timeout_s: float = 60.0  # until MEASURED_ROUNDS replies are measured (loading, warm-up)
     min_timeout_s: float = 1.0  # afterwards timeout_rounds typical rounds, never less than this,
@@ -56,7 +54,7 @@ class DraftClient:
                  incarnation: int = 0):
         self.config, self.embeddings, self.target_device = config, embeddings, target_device
         self.incarnation = incarnation
-        device, address = config.speculative.draft_device, config.speculative.draft_address
+        device, address = config.draft.speculative.draft_device, config.draft.speculative.draft_address
         nccl = device.startswith("cuda") and str(target_device).startswith("cuda")
         host, port = (address.rsplit(":", 1) if address else ("127.0.0.1", "0"))
         self.channel = Channel(host, int(port), rank=0, device=str(target_device) if nccl else "cpu",
@@ -75,8 +73,7 @@ class DraftClient:
         self.unseen_tokens = 0  # prompt tokens sent since the last reply: prefill work the worker has
         try:
             self.channel.connect()
-            self.channel.send(Hello(config.speculative, config.dtype, embeddings, incarnation, config.prefix_cache_mb,
-                                    config.quantization), config.startup_timeout_s)
+            self.channel.send(Hello(config.draft, embeddings, incarnation), config.startup_timeout_s)
             self.ready: Ready = self.channel.recv(timeout_s=config.startup_timeout_s)
         except Exception:
             self.abandon()
@@ -167,7 +164,8 @@ def replace_worker(lost: DraftClient, fan_out: list[int]) -> Future[DraftClient]
     its own, retrying with a growing pause until one is ready; the engine decodes without a
     draft meanwhile. Cancelling the future stops the retries and closes a late worker."""
     future: Future[DraftClient] = Future()
-    config = replace(lost.config, speculative=replace(lost.config.speculative, fan_out=list(fan_out)))
+    draft = lost.config.draft
+    config = replace(lost.config, draft=replace(draft, speculative=replace(draft.speculative, fan_out=list(fan_out))))
 
     def run() -> None:
         pause = RESTART_BACKOFF_S[0]

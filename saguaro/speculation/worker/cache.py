@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-Outcome = tuple[int, int]  # (accepted_len, bonus_token)
+from saguaro.engine.proposal import Outcome
 
 
 @dataclass

@@ -20,10 +20,11 @@ from saguaro.speculation.worker.speculator import Speculator
 
 
 def load_draft_model(hello: Hello, device: str):
-    dtype, path = resolve_dtype(hello.dtype), hello.speculative.draft
+    draft = hello.draft
+    dtype, path = resolve_dtype(draft.dtype), draft.speculative.draft
     if is_saguaro_checkpoint(path):
-        return load_checkpoint(path, dtype, device, embeddings=hello.embeddings, quantization=hello.quantization)
-    return load_model(path, dtype, device, hello.quantization)
+        return load_checkpoint(path, dtype, device, embeddings=hello.embeddings, quantization=draft.quantization)
+    return load_model(path, dtype, device, draft.quantization)
 
 
 class DraftServer:
@@ -31,9 +32,9 @@ class DraftServer:
 
     def __init__(self, hello: Hello, device: str):
         draft = load_draft_model(hello, device)
-        spec = hello.speculative
+        spec = hello.draft.speculative
         self.speculator = Speculator(draft, spec.num_speculative_tokens, spec.fan_out, spec.saguaro_c,
-                                     spec.prompt_lookup, hello.incarnation, new_prefix_cache(hello.prefix_cache_mb),
+                                     spec.prompt_lookup, hello.incarnation, new_prefix_cache(hello.draft.prefix_cache_mb),
                                      spec.proposal_top, spec.share_window)
         head = draft.head_token_ids.tolist() if draft.config.head_vocab_size is not None else None
         self.ready = Ready(vocab_size=draft.config.vocab_size, num_layers=draft.config.num_layers, pid=os.getpid(),
@@ -51,14 +52,14 @@ class DraftServer:
             if message.fan_out is not None:
                 self.speculator.set_fan_out(message.fan_out)
             start = time.perf_counter()
-            tokens, hits, probs, lookups, shared = self.speculator.speculate(message.seq_ids, message.outcomes,
-                                                                             message.backup, message.features)
+            requests = self.speculator.speculate(message.seq_ids, message.outcomes, message.backup,
+                                                 message.features)
             self.pending = message.seq_ids
-            if self.speculator.proposal_top:
-                probs = [None if p is None else SparseProbs.of(p, self.speculator.proposal_top) for p in probs]
+            if top := self.speculator.proposal_top:
+                for request in requests:
+                    request.probs = None if request.probs is None else SparseProbs.of(request.probs, top)
             drafted, self.speculator.drafted_tokens = self.speculator.drafted_tokens, 0
-            return Speculation(tokens, hits, probs, self.fill_time, time.perf_counter() - start, lookups, shared,
-                               drafted)
+            return Speculation(requests, self.fill_time, time.perf_counter() - start, drafted)
         elif isinstance(message, Release):
             self.speculator.release(message.seq_ids)
         return None

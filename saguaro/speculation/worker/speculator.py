@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from saguaro.config import Backup
+from saguaro.engine.proposal import Outcome
 from saguaro.engine.runner import forward_chunks, last_hidden
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
-from saguaro.speculation.worker.cache import Outcome, SpeculationCache
+from saguaro.speculation.protocol import RequestSpeculation
+from saguaro.speculation.worker.cache import SpeculationCache
 from saguaro.speculation.local.drafters import NGramDrafter, PromptLookupDrafter, model_drafter
 
 
@@ -135,16 +138,13 @@ class Speculator:
 
     # --- answering ------------------------------------------------------------------------
 
-    def speculate(self, seq_ids: list[int], outcomes: list[Outcome | None], backup: str,
-                  features: list[torch.Tensor | None] | None = None
-                  ) -> tuple[list[list[int]], list[bool], list[torch.Tensor | None], list[bool], list[bool]]:
+    def speculate(self, seq_ids: list[int], outcomes: list[Outcome | None], backup: Backup,
+                  features: list[torch.Tensor | None] | None = None) -> list[RequestSpeculation]:
         """Applies each request's last outcome and returns its next speculation: from the cache
         on a hit (its own branch, else one another request drafted after the same last
-        share_window tokens and did not use), else from the backup ("neural": the draft just in
-        time; "fast": n-gram); with prompt_lookup, from the text itself wherever its last
-        prompt_lookup tokens occurred before (a hit is still reported as one). Returns tokens,
-        hits, distributions, which speculations came from a lookup and which hits were
-        another request's branch."""
+        share_window tokens and did not use), else from the backup (neural: the draft just in
+        time; fast: n-gram); with prompt_lookup, from the text itself wherever its last
+        prompt_lookup tokens occurred before (a hit is still reported as one)."""
         seqs = [self.seqs[sid] for sid in seq_ids]
         self._keep_features(seq_ids, features)
         hits, probs = [], [None] * len(seqs)
@@ -172,7 +172,7 @@ class Speculator:
         for i, guess in looked.items():
             seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
         missed = [i for i, hit in enumerate(hits) if not hit and i not in looked]
-        if missed and backup == "neural":
+        if missed and backup == Backup.NEURAL:
             tokens, q, hidden = self.drafter.draft([seqs[i] for i in missed])
             self.drafted_tokens += tokens.numel()
             for j, i in enumerate(missed):
@@ -183,7 +183,8 @@ class Speculator:
             guesses = self.fast_backup.propose([seqs[i] for i in missed]).tokens.tolist()
             for i, guess in zip(missed, guesses):
                 seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
-        return [s.spec for s in seqs], hits, probs, [i in looked for i in range(len(seqs))], shared
+        return [RequestSpeculation(seq.spec, probs[i], None if outcome is None else hits[i], i in looked, shared[i])
+                for i, (seq, outcome) in enumerate(zip(seqs, outcomes))]
 
     def _sigma(self, position: int, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Saguaro sampling for draft position `position` (0-based): a rejection there is the

@@ -1,15 +1,10 @@
-"""The decoder interface, and the autoregressive (AR) decoder every other one builds on.
-
-Invariant shared by every decoder: a sequence's target KV cache row holds all its tokens but
-the last one, which is the input of its next target pass. A decoder works on whichever
-sequences it is handed, so a scheduler may add and drop requests between rounds.
-"""
+"""The target's side of a round: its passes over the sequences' KV cache rows, and the commit
+of what they decide (one token in an AR round; accepted drafts and a bonus after a proposal)."""
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 
+from saguaro.engine.proposal import Outcome
 from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import WarpParams, sample, uniforms, warp
 from saguaro.engine.sequence import Sequence
@@ -19,34 +14,8 @@ from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
 
 
-class Decoder(Protocol):
-    """What the engine loop drives: AR here; SD and SSD in saguaro.speculation."""
-    num_speculative_tokens: int | None  # draft tokens per round; None without speculation
-
-    @property
-    def lookahead(self) -> int:
-        """Slots a round may write past a sequence's committed length."""
-
-    def reserve(self, num_rows: int, num_slots: int) -> None:
-        """Makes room for num_rows sequences of up to num_slots tokens each."""
-
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """Runs the prompts and commits each sequence's first token."""
-
-    def step(self, seqs: list[Sequence]) -> None:
-        """One round: commits one or more tokens to each sequence."""
-
-    def release(self, seqs: list[Sequence]) -> None:
-        """Frees what finished (or cancelled) sequences held."""
-
-    def metrics(self) -> dict:
-        """Engine-wide figures (SSD: cache hit rate, draft worker losses, ...)."""
-
-    def close(self) -> None:
-        """Stops what the decoder started (a draft worker)."""
-
-
 def sample_next(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """Each sequence's next token from its logits [B, V], with its own parameters and stream."""
     if all(s.params.greedy for s in seqs):  # the argmax the one-hot distribution would sample, without building it
         return logits.argmax(-1).tolist()
     params = WarpParams.of([s.params for s in seqs], logits.device)
@@ -55,20 +24,16 @@ def sample_next(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     return sample(probs, u).tolist()
 
 
-class ARDecoder:
-    """One target pass per token. SD and SSD verify with verify_and_commit.
-    prefix_cache: where prompts' KV entries are kept for later prompts that start the same way."""
-    num_speculative_tokens: int | None = None
+class Verifier:
+    """The target, its KV cache (one row per running sequence) and the prefix cache: runs the
+    target's passes and commits what they decide. Each call returns, per sequence, the target's
+    final hidden states at the tokens it ran: what a draft that reads them (EAGLE) is given."""
 
     def __init__(self, target: LlamaModel, prefix_cache: PrefixCache | None = None):
         self.target = target
         self.prefix_cache = prefix_cache
         self.cache: KVCache | None = None
         self.rows = CacheRows()
-
-    @property
-    def lookahead(self) -> int:
-        return 1
 
     def reserve(self, num_rows: int, num_slots: int) -> None:
         self.cache = ensure_cache(self.cache, self.target, num_rows, num_slots)
@@ -85,36 +50,31 @@ class ARDecoder:
     def metrics(self) -> dict:
         return self.prefix_cache.summary() if self.prefix_cache is not None else {}
 
-    def close(self) -> None:
-        pass
-
-    def keep_hidden(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        """Receives the target's final hidden states of the tokens it just ran for a sequence
-        (also one that just finished): what an EAGLE-style draft reads. Unused here."""
-
-    def prefill(self, seqs: list[Sequence]) -> None:
+    def prefill(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+        """Runs the prompts (what the prefix cache lacks of them) and commits each first token."""
         self.rows.assign([s.seq_id for s in seqs], self.cache.num_rows)
         chunks = [s.prompt_ids for s in seqs]
         hidden, starts = prefill_chunks(self.target, self.cache, self._rows(seqs), chunks, self.prefix_cache)
         tails = [chunk[start:] for chunk, start in zip(chunks, starts)]
         first = sample_next(self.target.logits(last_hidden(hidden, tails)), seqs)
-        for i, (seq, token) in enumerate(zip(seqs, first)):
-            seq.stats.cached_tokens = starts[i]
+        for seq, token, start in zip(seqs, first, starts):
+            seq.stats.cached_tokens = start
             seq.commit([token])
-            self.keep_hidden(seq, hidden[i, :len(tails[i])])
+        return [hidden[i, :len(tail)] for i, tail in enumerate(tails)]
 
-    def step(self, seqs: list[Sequence]) -> None:
+    def decode(self, seqs: list[Sequence]) -> tuple[list[Outcome], list[torch.Tensor]]:
+        """An AR round: one target pass over each sequence's last token, one token committed."""
         chunks = [[s.token_ids[-1]] for s in seqs]
         hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
-        for i, (seq, token) in enumerate(zip(seqs, sample_next(self.target.logits(hidden[:, 0]), seqs))):
+        tokens = sample_next(self.target.logits(hidden[:, 0]), seqs)
+        for seq, token in zip(seqs, tokens):
             seq.commit([token])
-            self.keep_hidden(seq, hidden[i, :1])
+        return [Outcome(0, token) for token in tokens], list(hidden[:, :1])
 
-    def verify_and_commit(self, seqs: list[Sequence], draft_tokens: torch.Tensor,
-                          draft_probs: torch.Tensor | None) -> list[tuple[int, int]]:
-        """One target pass over [last token, drafts]; commits accepted drafts + bonus and
-        returns each sequence's outcome (accepted_len, bonus_token). draft_probs None means
-        the drafts are point masses (greedy drafts, cheap backup tokens)."""
+    def verify(self, seqs: list[Sequence], draft_tokens: torch.Tensor,
+               draft_probs: torch.Tensor | None) -> tuple[list[Outcome], list[torch.Tensor]]:
+        """One target pass over [last token, drafts]; commits accepted drafts + bonus. draft_probs
+        None means the drafts are point masses (greedy drafts, cheap backup tokens)."""
         B, K = draft_tokens.shape
         device = self.target.device
         draft_tokens = draft_tokens.to(device)
@@ -131,12 +91,11 @@ class ARDecoder:
             target_probs = warp(logits.flatten(0, 1), params).view(B, K + 1, -1)
             u = uniforms([s.generator for s in seqs], K + 1).to(device)
             accepted_len, bonus = verify(draft_tokens, draft_probs.to(device), target_probs, u[:, :K], u[:, K])
-            outcomes = list(zip(accepted_len.tolist(), bonus.tolist()))
-        for i, (seq, drafted, (k, bonus_token)) in enumerate(zip(seqs, drafts, outcomes)):
-            seq.commit(drafted[:k] + [bonus_token])
-            seq.stats.acceptance_lengths.append(k + 1)
-            self.keep_hidden(seq, hidden[i, :k + 1])
-        return outcomes
+            outcomes = [Outcome(*o) for o in zip(accepted_len.tolist(), bonus.tolist())]
+        for seq, drafted, outcome in zip(seqs, drafts, outcomes):
+            seq.commit(drafted[:outcome.accepted_len] + [outcome.bonus_token])
+            seq.stats.acceptance_lengths.append(outcome.accepted_len + 1)
+        return outcomes, [hidden[i, :o.accepted_len + 1] for i, o in enumerate(outcomes)]
 
     def _rows(self, seqs: list[Sequence]) -> list[int]:
         return self.rows[[s.seq_id for s in seqs]]

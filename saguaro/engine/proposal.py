@@ -1,0 +1,27 @@
+"""What crosses between proposing and verifying: a round's proposal and each sequence's outcome.
+Plain data, shared by the engine and the draft worker's process."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+
+class Outcome(NamedTuple):
+    """What a verification commits to one sequence: accepted_len drafts, then bonus_token."""
+    accepted_len: int
+    bonus_token: int
+
+
+@dataclass
+class Proposal:
+    """The K tokens per sequence that a round verifies."""
+    tokens: torch.Tensor  # [B, K] vocabulary ids
+    probs: torch.Tensor | None  # [B, K, V]: the distributions really sampled from; None: point masses
+    # sequences a draft model drafted one step at a time, with no more than the last round's
+    # tokens to catch up on: the rounds whose time says what a draft step costs (method="auto")
+    steady_rows: int = 0
+    looked_up: list[int] = field(default_factory=list)  # sequences whose tokens prompt lookup proposed
+    hits: list[bool | None] | None = None  # SSD: whether each speculation was cached (None: a first round)
+    start_s: float = 0.0  # time the proposer spent first on sequences it had not seen (their prompts)

@@ -1,0 +1,206 @@
+"""One decoding round: a policy chooses how to speculate, a proposer proposes, the verifier
+runs the target's pass and commits, and the proposer observes the outcome.
+
+The engine loop drives the one `Decoder` below. What varies between AR, SD, SSD and auto is
+only which policy chooses and which proposers it chooses among (saguaro.speculation builds
+them); the target's KV cache has one owner, the `Verifier`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from saguaro.engine.sequence import Sequence
+from saguaro.engine.proposal import Outcome, Proposal
+from saguaro.engine.verifier import Verifier
+
+
+class Proposer(Protocol):
+    """Proposes the tokens a round verifies: a draft model, prompt lookup, the SSD worker(s)."""
+    reads_target_features: bool  # wants the target's hidden states of every committed token
+
+    def reserve(self, num_rows: int, num_slots: int) -> None:
+        """Makes room for num_rows sequences of up to num_slots tokens each."""
+
+    def propose(self, seqs: list[Sequence], k: int) -> Proposal | None:
+        """k tokens for each sequence (a sequence it has not seen is taken up first); None when
+        it cannot propose this round (its worker is lost): the round then runs without."""
+
+    def observe(self, record: RoundRecord) -> None:
+        """The outcome of the round that verified its proposal."""
+
+    def keep_hidden(self, seqs: list[Sequence], hidden: list[torch.Tensor]) -> None:
+        """The target's hidden states at the tokens it just ran for each sequence (feature readers)."""
+
+    def pause(self) -> None:
+        """Rounds go to another proposer from now on (what it knows may go stale meanwhile)."""
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Forgets finished sequences."""
+
+    def metrics(self) -> dict:
+        """Figures of its own (SSD: cache hit rate, worker losses, ...)."""
+
+    def close(self) -> None:
+        """Stops what it started (a draft worker)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How one round speculates: k tokens from `proposer`; no proposer: a plain AR round."""
+    proposer: Proposer | None = None
+    k: int = 0
+    name: str = "ar"  # what metrics call it: "ar", "sd", "ssd"
+
+
+AR = Choice()
+
+
+@dataclass
+class RoundRecord:
+    """What one round did and how long each part took: policies and proposers learn from it."""
+    choice: Choice
+    seqs: list[Sequence]
+    lengths_before: list[int]  # committed tokens of each sequence before the round
+    proposal: Proposal | None  # None: no speculation (an AR round)
+    outcomes: list[Outcome]
+    propose_s: float  # the proposer's time, the sequences it took up first not counted (proposal.start_s)
+    verify_s: float  # the target's pass and the commit
+
+    @property
+    def committed(self) -> int:
+        return sum(len(s) for s in self.seqs) - sum(self.lengths_before)
+
+
+class Policy(Protocol):
+    """Chooses each round's speculation among its proposers."""
+    max_k: int  # the most tokens a round may propose
+
+    def proposers(self) -> list[Proposer]:
+        """Every proposer it may choose (auto: SSD's once its worker is up)."""
+
+    def choose(self, seqs: list[Sequence]) -> Choice:
+        """The next round's choice for these sequences."""
+
+    def observe(self, record: RoundRecord) -> None:
+        """The round that ran on its choice."""
+
+    def metrics(self) -> dict:
+        """Figures of its own (auto: rounds by choice, switches, ...)."""
+
+    def close(self) -> None:
+        """Stops what it started, its proposers included."""
+
+
+@dataclass
+class FixedPolicy:
+    """The same choice every round: AR, or SD / SSD with their K."""
+    choice: Choice = AR
+
+    @property
+    def max_k(self) -> int:
+        return self.choice.k
+
+    def proposers(self) -> list[Proposer]:
+        return [] if self.choice.proposer is None else [self.choice.proposer]
+
+    def choose(self, seqs: list[Sequence]) -> Choice:
+        return self.choice
+
+    def observe(self, record: RoundRecord) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        for proposer in self.proposers():
+            proposer.close()
+
+
+class Decoder:
+    """What the engine loop drives. Invariant: a sequence's target KV cache row holds all its
+    tokens but the last one, which is the input of its next target pass. A decoder works on
+    whichever sequences it is handed, so a scheduler may add and drop requests between rounds."""
+
+    def __init__(self, verifier: Verifier, policy: Policy | None = None):
+        self.verifier = verifier
+        self.policy = policy or FixedPolicy()
+        self.shape = (0, 0)  # rows and slots reserved, which a proposer gets when first chosen
+        self.reserved: list[Proposer] = []  # proposers that have run rounds, in the order they came
+        self.current: Proposer | None = None  # the last round's proposer
+
+    @property
+    def num_speculative_tokens(self) -> int | None:
+        """Draft tokens per round at most; None without speculation."""
+        return self.policy.max_k or None
+
+    @property
+    def lookahead(self) -> int:
+        """Slots a round may write past a sequence's committed length."""
+        return self.policy.max_k + 1
+
+    @property
+    def readers(self) -> list[Proposer]:
+        return [p for p in self.policy.proposers() if p.reads_target_features]
+
+    def reserve(self, num_rows: int, num_slots: int) -> None:
+        self.verifier.reserve(num_rows, num_slots)
+        self.shape = (max(self.shape[0], num_rows), max(self.shape[1], num_slots))
+        for proposer in self.reserved:
+            proposer.reserve(*self.shape)
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Runs the prompts and commits each sequence's first token; proposers take a sequence
+        up when first asked for it, so one auto never speculates for costs nothing."""
+        hidden = self.verifier.prefill(seqs)
+        for proposer in self.readers:
+            proposer.keep_hidden(seqs, hidden)
+
+    def step(self, seqs: list[Sequence]) -> RoundRecord:
+        """One round: commits one or more tokens to each sequence."""
+        choice = self.policy.choose(seqs)
+        proposer = choice.proposer
+        if proposer is not self.current and self.current is not None:
+            self.current.pause()
+        self.current = proposer
+        if proposer is not None and proposer not in self.reserved:
+            proposer.reserve(*self.shape)
+            self.reserved.append(proposer)
+        lengths_before = [len(s) for s in seqs]
+        started = time.perf_counter()
+        proposal = proposer.propose(seqs, choice.k) if proposer is not None else None
+        proposed = time.perf_counter()
+        if proposal is None:
+            outcomes, hidden = self.verifier.decode(seqs)
+        else:
+            outcomes, hidden = self.verifier.verify(seqs, proposal.tokens, proposal.probs)
+        verified = time.perf_counter()
+        record = RoundRecord(choice, seqs, lengths_before, proposal, outcomes,
+                             proposed - started - (proposal.start_s if proposal else 0.0), verified - proposed)
+        for reader in self.readers:
+            reader.keep_hidden(seqs, hidden)
+        if proposal is not None:
+            proposer.observe(record)
+        self.policy.observe(record)
+        return record
+
+    def release(self, seqs: list[Sequence]) -> None:
+        """Frees what finished (or cancelled) sequences held."""
+        self.verifier.release(seqs)
+        seq_ids = [s.seq_id for s in seqs]
+        for proposer in self.policy.proposers():
+            proposer.release(seq_ids)
+
+    def metrics(self) -> dict:
+        """Engine-wide figures: the prefix cache's, the proposers' and the policy's."""
+        figures = {}
+        for proposer in self.policy.proposers():
+            figures.update(proposer.metrics())
+        return {**figures, **self.verifier.metrics(), **self.policy.metrics()}
+
+    def close(self) -> None:
+        self.policy.close()

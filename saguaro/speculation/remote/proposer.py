@@ -1,0 +1,260 @@
+"""SSD's proposer on the engine's side: one SpecRequest per round to the draft worker(s).
+
+Each round the target sends the outcome of its last verification to the worker and gets the
+next speculation back: at once when the worker had pre-drafted it (a cache hit), after a backup
+otherwise. While the target verifies, the worker fills its cache for the next round. Losing,
+replacing and handing over a worker is the pool's (remote/pool.py); while no worker is up the
+proposer proposes nothing and the round runs without speculation.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from saguaro.config import Backup
+from saguaro.engine.proposal import Outcome, Proposal
+from saguaro.engine.round import RoundRecord
+from saguaro.engine.sequence import Sequence
+from saguaro.engine.verify import point_masses
+from saguaro.models.llama import scatter_to_vocab
+from saguaro.speculation.local.drafters import FeatureLog
+from saguaro.speculation.policy.planning import GeometricPlan, SpeedModel
+from saguaro.speculation.protocol import Speculation, dense_probs
+from saguaro.speculation.remote.pool import DraftPool
+from saguaro.system import CoreShare, use_cores
+
+EXPLORE_MISSES = 8  # misses each backup is tried on before auto trusts the speed model
+
+
+@dataclass
+class SSDStats:
+    """Per-round measurements over the decoder's life (all sequences)."""
+    hit_lengths: list[int] = field(default_factory=list)  # acceptance length after a hit
+    miss_lengths: dict[str, list[int]] = field(default_factory=lambda: {"neural": [], "fast": []})
+    lookup_lengths: list[int] = field(default_factory=list)  # after a prompt-lookup speculation
+    lookup_hits: int = 0  # rounds whose outcome the cache held, but a lookup was sent instead
+    verify_s: list[float] = field(default_factory=list)
+    fill_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)  # target idle, waiting for the draft
+    backup_s: dict[str, list[float]] = field(  # worker time on misses, per round with one
+        default_factory=lambda: {"neural": [], "fast": []})
+    t_p: list[float] = field(default_factory=list)
+    shared_hits: int = 0  # hits on a branch another request drafted (speculation/cache.py)
+    drafted_tokens: int = 0  # draft tokens the worker decoded (its tree and neural backups)
+    committed_tokens: int = 0  # tokens SSD rounds committed
+
+    def summary(self) -> dict:
+        hits = len(self.hit_lengths) + self.lookup_hits
+        rounds = len(self.hit_lengths) + sum(len(v) for v in self.miss_lengths.values()) + len(self.lookup_lengths)
+        mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+        median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        return {
+            "cache_hits": hits,
+            "cache_hit_rate": hits / rounds if rounds else None,
+            "lookup_rate": len(self.lookup_lengths) / rounds if rounds else None,
+            "acceptance_length_hit": mean(self.hit_lengths),
+            "acceptance_length_lookup": mean(self.lookup_lengths),
+            "acceptance_length_miss_neural": mean(self.miss_lengths["neural"]),
+            "acceptance_length_miss_fast": mean(self.miss_lengths["fast"]),
+            "t_p_median": median(self.t_p),
+            "verify_s_median": median(self.verify_s),
+            "fill_s_median": median(self.fill_s),
+            "target_wait_s_total": sum(self.wait_s),
+            "target_wait_s_median": median(self.wait_s),
+            "shared_branch_hits": self.shared_hits,
+            "draft_tokens_per_committed_token":
+                self.drafted_tokens / self.committed_tokens if self.committed_tokens else None,
+        }
+
+
+class RemoteProposer:
+    """SSD's proposals, from the draft workers of `pool`. cores: the cores the target keeps
+    while SSD runs where its worker holds some of this machine's (None: the worker has its own
+    device or host). plan: re-fits a geometric fan-out as it runs."""
+    reads_target_features = False
+
+    def __init__(self, pool: DraftPool, backup: Backup = Backup.AUTO, plan: GeometricPlan | None = None,
+                 vocab_size: int | None = None, cores: CoreShare | None = None):
+        self.pool, self.backup = pool, Backup(backup)
+        self.k = pool.k
+        self.outcomes: dict[int, Outcome | None] = {}  # the sequences the workers know, and their last outcome
+        self.stats = SSDStats()
+        head = pool.ready.head_token_ids
+        self.draft_head_ids = None if head is None else torch.tensor(head)  # rows of its distributions
+        self.vocab_size = vocab_size or pool.ready.vocab_size
+        # the target's hidden states not sent yet, for an EAGLE draft
+        self.features = FeatureLog() if pool.ready.reads_features else None
+        self.reads_target_features = self.features is not None
+        self.fan_out = list(pool.fan_out)
+        self._new_fan_out: list[int] | None = None
+        self.plan = plan
+        self.branch_budget = plan.budget if plan else None
+        self.cores = cores
+        self.cores_before: tuple[set[int], int] | None = None  # given back by close (see system.split_cores)
+        self._sent: tuple[Speculation, Backup, list[Outcome | None], float] | None = None  # the round in flight
+        self._rounds = 0
+
+    @property
+    def available(self) -> bool:
+        """Whether a worker is up to propose (a replacement that is ready is taken up first)."""
+        return self.pool.live
+
+    def set_fan_out(self, fan_out: list[int]) -> None:
+        """Re-plans the branches per accepted length; the workers get it with the next request."""
+        if len(fan_out) != self.k + 1:
+            raise ValueError(f"fan_out needs K+1 = {self.k + 1} entries")
+        self.fan_out = self._new_fan_out = list(fan_out)
+
+    def reserve(self, num_rows: int, num_slots: int) -> None:
+        self.pool.reserve(num_slots - 1, num_rows)
+
+    def keep_hidden(self, seqs: list[Sequence], hidden: list[torch.Tensor]) -> None:
+        if self.features is not None:
+            for seq, h in zip(seqs, hidden):
+                self.features.add(seq.seq_id, h)
+
+    def metrics(self) -> dict:
+        return {**self.stats.summary(), **self.pool.metrics()}
+
+    def propose(self, seqs: list[Sequence], k: int) -> Proposal | None:
+        """The workers' speculation; sequences they do not know are handed to them first, from
+        their committed tokens (so their first round cannot hit). None while no worker is up."""
+        if not self.available:
+            if self.features is not None and self.pool.gone:
+                self.features = None  # no worker will read them again
+            return None
+        if self.cores is not None:
+            use_cores(*self.cores.ssd)  # every round: a caller may have moved this process meanwhile
+        started = time.perf_counter()
+        if new := [s for s in seqs if s.seq_id not in self.outcomes]:
+            for seq in new:
+                self.outcomes[seq.seq_id] = None
+            self.pool.prefill(new, self._take_features(new))
+        asked = time.perf_counter()
+        backup = self.choose_backup(len(seqs))
+        outcomes = [self.outcomes[s.seq_id] for s in seqs]
+        spec = self.pool.speculate(seqs, outcomes, backup, self._new_fan_out, self._take_features(seqs))
+        self._new_fan_out = None
+        received = time.perf_counter()
+        self._sent = (spec, backup, outcomes, received - asked)
+        tokens = torch.tensor([r.tokens for r in spec.requests])
+        probs = None
+        if any(r.probs is not None for r in spec.requests):
+            masses = point_masses(tokens, self.vocab_size)
+            probs = torch.stack([m if r.probs is None else self._to_vocab(dense_probs(r.probs))
+                                 for m, r in zip(masses, spec.requests)])
+        return Proposal(tokens, probs, hits=[r.hit for r in spec.requests], start_s=asked - started)
+
+    def observe(self, record: RoundRecord) -> None:
+        spec, backup, previous, wait_s = self._sent
+        self._sent = None
+        self._record(record.seqs, previous, spec, record.outcomes, backup, wait_s, record.verify_s)
+        for seq, outcome in zip(record.seqs, record.outcomes):
+            self.outcomes[seq.seq_id] = outcome
+        self._rounds += 1
+        if self.plan is not None and self._rounds % self.plan.every_rounds == 0:
+            self._replan()
+
+    def _replan(self) -> None:
+        if self.stats.t_p:
+            self.branch_budget = self.plan.next_budget(
+                self.branch_budget, statistics.median(self.stats.t_p[-self.plan.every_rounds:]))
+        lengths = self.stats.hit_lengths + sum(self.stats.miss_lengths.values(), [])
+        fan_out = self.plan.fan_out(lengths[-256:], self.k, self.branch_budget) if lengths else self.fan_out
+        if fan_out != self.fan_out:
+            self.set_fan_out(fan_out)
+
+    def pause(self) -> None:
+        """The workers forget their sequences (stale from here: they hear only the outcomes of
+        SSD rounds) and the target gets back the cores SSD left it."""
+        self.forget(list(self.outcomes))
+        if self.cores is not None:
+            use_cores(*self.cores.all)
+
+    def release(self, seq_ids: list[int]) -> None:
+        self.forget(seq_ids)
+        if self.features is not None:
+            for seq_id in seq_ids:
+                self.features.drop(seq_id)
+
+    def forget(self, seq_ids: list[int]) -> None:
+        """The workers forget these sequences (the target's KV rows stay)."""
+        known = [sid for sid in seq_ids if sid in self.outcomes]
+        for sid in known:
+            del self.outcomes[sid]
+        if known:
+            self.pool.release(known)
+
+    def _take_features(self, seqs: list[Sequence]) -> list[torch.Tensor | None] | None:
+        """The hidden states an EAGLE draft has not seen yet: the prompt's, then each round's."""
+        if self.features is None:
+            return None
+        return [self.features.take(s.seq_id) for s in seqs]
+
+    def _to_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """A draft distribution over its head rows -> over the vocabulary (zero elsewhere)."""
+        if self.draft_head_ids is None:
+            return probs
+        return scatter_to_vocab(probs, self.draft_head_ids, self.vocab_size)
+
+    def _record(self, seqs: list[Sequence], previous: list[Outcome | None], spec: Speculation,
+                outcomes: list[Outcome], backup: Backup, wait_s: float, verify_s: float) -> None:
+        stats = self.stats
+        if stats.verify_s and spec.fill_time_s > 0:
+            stats.fill_s.append(spec.fill_time_s)
+            stats.t_p.append(spec.fill_time_s / stats.verify_s[-1])
+        stats.verify_s.append(verify_s)
+        stats.wait_s.append(wait_s)
+        stats.shared_hits += sum(r.shared for r in spec.requests)
+        stats.drafted_tokens += spec.drafted_tokens
+        stats.committed_tokens += sum(o.accepted_len + 1 for o in outcomes)
+        if any(not r.hit and not r.lookup for r in spec.requests):
+            stats.backup_s[backup].append(spec.backup_time_s)  # a lookup needs no backup
+        for seq, before, request, outcome in zip(seqs, previous, spec.requests, outcomes):
+            if before is None or request.hit is None:
+                continue  # a request's first round (or a guess while its worker is lost) cannot hit
+            seq.stats.cache_hits.append(request.hit)
+            if request.lookup:
+                stats.lookup_lengths.append(outcome.accepted_len + 1)
+                stats.lookup_hits += request.hit
+            else:
+                (stats.hit_lengths if request.hit else stats.miss_lengths[backup]).append(outcome.accepted_len + 1)
+
+    def speed_model(self) -> SpeedModel:
+        """The measured quantities of Theorem 7, with prior guesses where nothing was measured
+        yet (the paper found neural backup best at batch 1, fast from batch 2)."""
+        s = self.stats
+        hits, misses = len(s.hit_lengths), sum(len(v) for v in s.miss_lengths.values())
+        verify = statistics.median(s.verify_s) if s.verify_s else 1.0
+        mean = lambda xs, default: statistics.fmean(xs) if xs else default  # noqa: E731
+        e_hit = mean(s.hit_lengths, self.k / 2 + 1)
+        return SpeedModel(
+            p_hit=hits / (hits + misses) if hits + misses >= 10 else 0.8,
+            e_hit=e_hit,
+            e_neural=mean(s.miss_lengths["neural"], e_hit),
+            e_fast=mean(s.miss_lengths["fast"], 1.0),
+            t_p=statistics.median(s.t_p) if s.t_p else 0.8,
+            t_neural=statistics.median(s.backup_s["neural"]) / verify if s.backup_s["neural"] else 0.8,
+            t_fast=statistics.median(s.backup_s["fast"]) / verify if s.backup_s["fast"] else 0.0,
+        )
+
+    def choose_backup(self, batch_size: int) -> Backup:
+        """The forced backup, else the one the speed model favours at this batch size, once
+        both have been tried on EXPLORE_MISSES misses: until then the priors decide, and a
+        backup the priors disfavour would never be measured."""
+        if self.backup != Backup.AUTO:
+            return self.backup
+        tried = {kind: len(lengths) for kind, lengths in self.stats.miss_lengths.items()}
+        if min(tried.values()) < EXPLORE_MISSES:
+            return Backup(min(tried, key=tried.get))
+        return Backup.NEURAL if batch_size < self.speed_model().critical_batch_size() else Backup.FAST
+
+    def close(self) -> None:
+        """Stops the draft workers (also done at exit) and gives back the cores they had."""
+        self.pool.close()
+        if self.cores_before is not None:
+            use_cores(*self.cores_before)
+            self.cores_before = None
