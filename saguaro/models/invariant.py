@@ -7,7 +7,7 @@ blocking, and so the order in which they add, from the shapes. Measured on this 
 fp16 and fp32 products round one way for a single row and another for 2-200 rows; the fused
 attention kernel's result depends on the query length and on how many masked slots follow.
 In bf16, the default, they made greedy SD leave AR on 4 of 8 held-out prompts and SSD on 6 of
-8 within 128 tokens (BENCHMARKS.md).
+8 within 128 tokens (docs/benchmarks-log.md).
 
 So, where invariance is on, every projection runs on slices of at most ROW_BLOCK rows (in fp16
 and fp32 a single row is paired with a copy of itself), and attention is computed in fp32 from
