@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from saguaro import SamplingParams
+from saguaro import LLM, SamplingParams
 from saguaro.engine.loop import AdmissionLimits, Engine
+from saguaro.models.config import ModelConfig
+from saguaro.models.llama import LlamaModel
+from saguaro.models.loader import load_tokenizer, save_checkpoint
 from saguaro.engine.sequence import Sequence
 from saguaro.speculation.cache import SpeculationCache
 from test_scheduler import CountingDecoder, CountingTokenizer
@@ -88,6 +91,42 @@ def test_rows_are_as_long_as_the_longest_waiting_sequence_needs():
     assert run(engine) == [0, 1, 2, 3]
     assert max(map(len, decoder.batches)) == 2 and decoder.num_rows == 2
     assert engine.row_len == 19
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(smollm2_path, tmp_path_factory):
+    """A 2-layer random-weight model with the default model's tokenizer: 128 KV bytes a token."""
+    folder = tmp_path_factory.mktemp("tiny")
+    tokenizer = load_tokenizer(smollm2_path)
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=8)
+    model = LlamaModel(config)
+    model.lm_head.weight.data.mul_(3.0)  # logits of order 1: greedy picks differ by prompt
+    save_checkpoint(model, folder, dtype=torch.float32, share_embeddings=False)
+    return str(folder)
+
+
+def test_generate_admits_prompts_in_turns_within_the_kv_budget(tiny_checkpoint):
+    """24 prompts of up to 40 tokens in a KV budget of three rows: the cache holds three rows,
+    not 24, and the greedy outputs are those of unlimited admission."""
+    prompts = [list(range(100 + i, 120 + i + i % 21)) for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    row = 40 + 8 + 1  # the longest prompt, max_tokens and AR's lookahead
+    budget_mb = 3 * row * 128 / 2**20
+    limited = LLM(tiny_checkpoint, method="ar", dtype="float32", kv_cache_mb=budget_mb)
+    unlimited = LLM(tiny_checkpoint, method="ar", dtype="float32")
+    outputs = limited.generate(prompts, params, use_tqdm=False)
+    assert limited.decoder.cache.num_rows == 3
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in unlimited.generate(prompts, params, use_tqdm=False)]
+    assert len({tuple(o.token_ids) for o in outputs}) > 1 and all(o.finish_reason == "length" for o in outputs)
+    capped = LLM(tiny_checkpoint, method="ar", dtype="float32", max_num_seqs=5)
+    assert [o.token_ids for o in capped.generate(prompts, params, use_tqdm=False)] == [o.token_ids for o in outputs]
+    assert capped.decoder.cache.num_rows == 5
+    with pytest.raises(ValueError, match="KV cache budget of 147 tokens"):
+        limited.generate([list(range(100, 240))], params, use_tqdm=False)
+    assert not limited.engine.has_unfinished
 
 
 def test_speculation_cache_answers_one_outcome_per_round():
