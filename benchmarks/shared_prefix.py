@@ -42,8 +42,8 @@ def questions(n: int) -> list[str]:
 
 def run(llm: LLM, prompts: list, params: SamplingParams, fresh_cache: bool) -> dict:
     """One timed generate; fresh_cache empties the prefix cache first (the same budget)."""
-    if fresh_cache and llm.decoder.prefix_cache is not None:
-        llm.decoder.prefix_cache = new_prefix_cache(llm.decoder.prefix_cache.budget_bytes / 2 ** 20)
+    if fresh_cache and llm.decoder.verifier.prefix_cache is not None:
+        llm.decoder.verifier.prefix_cache = new_prefix_cache(llm.decoder.verifier.prefix_cache.budget_bytes / 2 ** 20)
     before = llm.metrics().get("prefix_cache_hit_tokens", 0)
     start = time.perf_counter()
     outputs = [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]

@@ -1,10 +1,20 @@
-"""How to speculate: one configuration for `LLM`, the CLI, `saguaro serve`, the bench and the
-draft worker's handshake, in the style of vLLM's `speculative_config`."""
+"""The engine's and speculation's configurations, each declared once: `EngineConfig` (the model,
+how it runs, how many sequences it admits at once) and `SpeculativeConfig` (how to speculate,
+in the style of vLLM's `speculative_config`). `LLM`, the CLI, `saguaro serve`, the bench and the
+draft worker's handshake read them; their command-line options are generated from the fields."""
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from saguaro.models import hub
+from saguaro.models.loader import resolve_dtype
+from saguaro.models.quantized import MODES
+
+if TYPE_CHECKING:
+    import torch
 
 METHODS = ("ar", "sd", "ssd", "auto")
 
@@ -20,8 +30,63 @@ BACKUPS = tuple(b.value for b in Backup)
 FAN_OUTS = ("geometric", "uniform")
 
 
-def _option(default, help: str, flag: str | None = None, group: str = "speculation", **argparse_kwargs):
-    return field(default=default, metadata={"help": help, "flag": flag, "group": group, **argparse_kwargs})
+def _option(default, help: str, *flags: str, group: str = "speculation", described: str | None = None,
+            **argparse_kwargs):
+    """A field with its command-line option: flags (default: --the-field-name), its group, and
+    how the help describes its default (default: the value)."""
+    return field(default=default, metadata={"help": help, "flags": flags, "group": group, "described": described,
+                                            **argparse_kwargs})
+
+
+@dataclass
+class EngineConfig:
+    """The target model, how it runs, and how many sequences the engine admits at once (the
+    rest wait, in arrival order, until running ones finish). See `LLM` for what each means."""
+    model: str = _option(hub.DEFAULT_MODEL, "a known name or a checkpoint path", group="model")
+    dtype: str | torch.dtype = _option("auto", "auto (bf16), bf16, fp16 or fp32", group="model")
+    device: str = _option("cpu", "torch device", group="model")
+    num_threads: int | None = _option(None, "torch CPU threads", "--threads", group="model", described="torch's",
+                                      metavar="N")
+    batch_invariant: bool = _option(True, "each position's logits independent of what shares its pass, so greedy "
+                                          "SD/SSD equal AR in every dtype", group="model")
+    quantization: str | None = _option("auto", "auto: a GGUF's 4-bit blocks run as int4 (CPU, bf16), the rest in "
+                                               "--dtype; none: all in --dtype; int8 / int4: every projection "
+                                               "quantized", group="model", choices=MODES)
+    tensor_parallel_size: int = _option(1, "split the target's layers over this many processes (CPU, full "
+                                           "precision; under torchrun: its ranks)", "--tensor-parallel-size", "-tp",
+                                        group="model")
+    enable_prefix_caching: bool = _option(True, "reuse the KV entries of prompts that start like earlier ones",
+                                          group="model")
+    prefix_cache_mb: float = _option(512.0, "MiB of prompt KV entries kept for reuse, the target's and the draft's "
+                                            "each", group="model")
+    max_num_seqs: int = _option(256, "sequences decoded at once; the rest wait for a place", group="admission")
+    kv_cache_mb: float = _option(4096.0, "MiB of the target's KV cache for the sequences decoded at once, each "
+                                         "holding a row as long as the longest needs; the others wait",
+                                 group="admission")
+
+    def __post_init__(self):
+        resolve_dtype(self.dtype)  # raises on an unknown name
+        if self.quantization not in (*MODES, None):
+            raise ValueError(f"quantization must be one of {', '.join(MODES)}, not {self.quantization!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.quantization not in ("auto", "none", None):
+            raise ValueError(f"tensor parallelism splits full-precision weights; quantization {self.quantization!r} "
+                             "is not supported with it")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_cache_mb <= 0:
+            raise ValueError(f"kv_cache_mb must be > 0, got {self.kv_cache_mb}")
+
+    @property
+    def prefix_cache_budget_mb(self) -> float:
+        """The prefix cache's MiB: none when it is off, or under tensor parallelism, where it would
+        restore rank 0's KV entries only."""
+        return self.prefix_cache_mb if self.enable_prefix_caching and self.tensor_parallel_size == 1 else 0.0
 
 
 @dataclass
@@ -34,7 +99,8 @@ class SpeculativeConfig:
                                   "runs; AR where the target has no draft)", choices=METHODS)
     draft: str | None = _option(None, "draft model: a known name or a checkpoint path (default: the target's "
                                       "shipped draft)")
-    num_speculative_tokens: int = _option(5, "draft tokens per round (K; auto: the most)", flag="-k")
+    num_speculative_tokens: int = _option(5, "draft tokens per round (K; auto: the most)", "-k",
+                                         "--num-speculative-tokens")
     prompt_lookup: int | None = _option(2, "where the last N tokens occurred earlier in the text, speculate "
                                            "what followed them instead of drafting; 0 turns it off", metavar="N")
     fan_out: str | list[int] = _option("geometric", "geometric, uniform, or K+1 comma-separated counts of cached "
@@ -103,30 +169,63 @@ class SpeculativeConfig:
         return replace(base, **overrides) if overrides else base
 
 
-def add_speculative_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (),
-                              defaults: dict[str, tuple[object, str]] | None = None) -> None:
-    """The SpeculativeConfig fields as command-line options (--num-speculative-tokens, ...).
+def split_options(options: dict) -> tuple[dict, dict]:
+    """Keyword options of `LLM` as (EngineConfig's, SpeculativeConfig's); unknown names raise
+    TypeError, listing the known ones."""
+    engine, speculative = ({f.name for f in fields(c)} for c in (EngineConfig, SpeculativeConfig))
+    unknown = set(options) - engine - speculative
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(engine))} "
+                        f"and the speculative ones, {', '.join(sorted(speculative))}")
+    return ({k: v for k, v in options.items() if k in engine}, {k: v for k, v in options.items() if k in speculative})
+
+
+def _add_arguments(parser: argparse.ArgumentParser, config: type, titles: dict[str, str], exclude: tuple[str, ...],
+                   defaults: dict[str, tuple[object, str]] | None) -> None:
+    """A config dataclass's fields as command-line options, in groups titled by `titles`.
     defaults: field -> (another default, how the help should describe it)."""
     defaults = defaults or {}
     groups: dict[str, argparse._ArgumentGroup] = {}
-    titles = {"speculation": "speculation (sd, ssd)", "ssd": "SSD (--method ssd)"}
-    for f in fields(SpeculativeConfig):
+    for f in fields(config):
         if f.name in exclude:
             continue
         meta = dict(f.metadata)
-        group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(
-            titles[meta["group"]]))
-        flags = [meta.pop("flag")] if meta.get("flag") else []
-        meta.pop("flag", None)
-        meta.pop("group")
+        name, flags, described = meta.pop("group"), meta.pop("flags"), meta.pop("described")
+        group = groups.get(name) or groups.setdefault(name, parser.add_argument_group(titles[name]))
+        boolean = str(f.type) == "bool"
+        default, described = defaults.get(f.name, (f.default, described))
+        if described is None and default is not None:
+            described = ("on" if default else "off") if boolean else "%(default)s"
         kind = {"int": int, "float": float, "int | None": int}.get(str(f.type))
-        default, described = defaults.get(f.name, (f.default, "%(default)s"))
-        help_text = meta.pop("help") + (f" (default: {described})" if default is not None or f.name in defaults else "")
-        group.add_argument(*flags, "--" + f.name.replace("_", "-"), default=default, help=help_text,
-                           **({"type": kind} if kind else {}), **meta)
+        options = {"action": argparse.BooleanOptionalAction} if boolean else {"type": kind} if kind else {}
+        help_text = meta.pop("help") + (f" (default: {described})" if described is not None else "")
+        group.add_argument(*(flags or ["--" + f.name.replace("_", "-")]), dest=f.name, default=default,
+                           help=help_text, **options, **meta)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (),
+                         defaults: dict[str, tuple[object, str]] | None = None) -> None:
+    """The EngineConfig fields as command-line options (--model, --threads, --max-num-seqs, ...)."""
+    _add_arguments(parser, EngineConfig, {"model": "model", "admission": "admission (sequences decoded at once)"},
+                   exclude, defaults)
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (),
+                              defaults: dict[str, tuple[object, str]] | None = None) -> None:
+    """The SpeculativeConfig fields as command-line options (--num-speculative-tokens, ...)."""
+    _add_arguments(parser, SpeculativeConfig, {"speculation": "speculation (sd, ssd)", "ssd": "SSD (--method ssd)"},
+                   exclude, defaults)
+
+
+def _given(config: type, args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(config) if hasattr(args, f.name)}
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The EngineConfig the options of `add_engine_arguments` describe."""
+    return EngineConfig(**{**_given(EngineConfig, args), **overrides})
 
 
 def speculative_config_from_args(args: argparse.Namespace, **overrides) -> SpeculativeConfig:
     """The SpeculativeConfig the options of `add_speculative_arguments` describe."""
-    given = {f.name: getattr(args, f.name) for f in fields(SpeculativeConfig) if hasattr(args, f.name)}
-    return SpeculativeConfig(**{**given, **overrides})
+    return SpeculativeConfig(**{**_given(SpeculativeConfig, args), **overrides})

@@ -4,18 +4,20 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections.abc import Callable, Sequence as SequenceABC
+from dataclasses import asdict
 
 import torch
 from tqdm import tqdm
 
-from saguaro.config import SpeculativeConfig, add_speculative_arguments, speculative_config_from_args
+from saguaro.config import (EngineConfig, SpeculativeConfig, add_engine_arguments, add_speculative_arguments,
+                            engine_config_from_args, speculative_config_from_args, split_options)
 from saguaro.engine.round import Decoder
-from saguaro.engine.loop import Engine
+from saguaro.engine.loop import AdmissionLimits, Engine
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.loader import load_model, load_tokenizer, resolve_dtype
-from saguaro.models.quantized import MODES
+from saguaro.models.kv_cache import kv_bytes_per_token
 from saguaro.models.tensor_parallel import tensor_parallel
 from saguaro.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from saguaro.speculation.build import make_decoder
@@ -24,7 +26,8 @@ Prompt = str | list[dict] | list[int]
 
 
 class LLM:
-    """A target model and how to decode it.
+    """A target model and how to decode it: LLM(model, **options), each option a field of
+    EngineConfig (how the model runs, how many sequences run at once) or of SpeculativeConfig.
 
     speculative_config: a SpeculativeConfig (or a dict of its fields) saying whether and how to
     speculate; its fields may also be given as keywords, e.g. LLM(model, method="ssd",
@@ -48,35 +51,34 @@ class LLM:
     CPU cores (saguaro.models.tensor_parallel), or over the ranks of a `torchrun` launch, where
     `LLM(...)` serves rank 0 on the other ranks and exits them when it closes. It runs full
     precision (quantization "auto" means "none" there) without prefix caching.
+    max_num_seqs, kv_cache_mb: the engine runs at most max_num_seqs sequences at once, whose
+    rows of the target's KV cache (each as long as the longest sequence needs) take at most
+    kv_cache_mb MiB; the others wait and are admitted in arrival order as running ones finish.
+    The cache is reserved for what runs at once, not for every request. A request that alone
+    exceeds the budget is refused (ValueError).
     """
 
     def __init__(self, model: str = hub.DEFAULT_MODEL, speculative_config: SpeculativeConfig | dict | None = None,
-                 device: str = "cpu", dtype: str | torch.dtype = "auto", num_threads: int | None = None,
-                 batch_invariant: bool = True, quantization: str | None = "auto", enable_prefix_caching: bool = True,
-                 prefix_cache_mb: float = 512.0, tensor_parallel_size: int = 1, **speculative_options):
+                 **options):
+        engine_options, speculative_options = split_options(options)
+        self.engine_config = config = EngineConfig(model, **engine_options)
         self.speculative_config = SpeculativeConfig.of(speculative_config, **speculative_options)
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        self.dtype = resolve_dtype(dtype)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.dtype = resolve_dtype(config.dtype)
         path = hub.resolve(model)
         self.tokenizer = load_tokenizer(path)
-        if tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        if tensor_parallel_size > 1:
-            if quantization not in ("auto", "none", None):
-                raise ValueError(f"tensor parallelism splits full-precision weights; quantization {quantization!r} "
-                                 "is not supported with it")
-            enable_prefix_caching = False  # it would restore rank 0's KV entries only
-            self.target = tensor_parallel(path, self.dtype, tensor_parallel_size, device, batch_invariant)
+        if config.tensor_parallel_size > 1:
+            self.target = tensor_parallel(path, self.dtype, config.tensor_parallel_size, config.device,
+                                          config.batch_invariant)
         else:
-            self.target = load_model(path, self.dtype, device, quantization)
-        self.target.set_batch_invariant(batch_invariant)
+            self.target = load_model(path, self.dtype, config.device, config.quantization)
+        self.target.set_batch_invariant(config.batch_invariant)
         self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]
         self._ids = itertools.count()
-        if prefix_cache_mb < 0:
-            raise ValueError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
-        budget = prefix_cache_mb if enable_prefix_caching else 0.0
-        self.engine = Engine(make_decoder(self.target, self.speculative_config, str(model), budget))
+        decoder = make_decoder(self.target, self.speculative_config, str(model), config.prefix_cache_budget_mb)
+        self.engine = Engine(decoder, admission_limits(config, kv_bytes_per_token(self.target.config,
+                                                                                  self.target.dtype)))
 
     @property
     def method(self) -> str:
@@ -118,9 +120,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, on_token: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
-        """Decodes every prompt as one batch; returns one RequestOutput per prompt, in order,
-        with SamplingParams.n samples each (the prompt runs once, the others reuse it through
-        the prefix cache).
+        """Decodes the prompts together, as many at once as the engine admits (the others join
+        as running ones finish); returns one RequestOutput per prompt, in order, with
+        SamplingParams.n samples each (the prompt runs once, the others reuse it through the
+        prefix cache). Raises ValueError for a prompt + max_tokens beyond the model's context
+        or the KV cache budget.
 
         on_token(index, new_text) is called as text becomes final (for streaming, n = 1): the
         pieces of a prompt add up to its output's text."""
@@ -139,7 +143,6 @@ class LLM:
         limit = self.target.config.max_position_embeddings
         if longest > limit:
             raise ValueError(f"prompt + max_tokens ({longest} tokens) exceeds the model's context of {limit}")
-        self.decoder.reserve(len(seqs), longest)
         index = {s.seq_id: i for i, group in enumerate(samples) for s in group}
         self.engine.add(seqs)
         total = sum(s.params.max_tokens for s in seqs)
@@ -171,33 +174,19 @@ class LLM:
                              metrics=first.metrics, outputs=outputs)
 
 
-def add_llm_arguments(parser: argparse.ArgumentParser) -> None:
-    """LLM's options on a command line: the target's, then SpeculativeConfig's."""
-    group = parser.add_argument_group("model")
-    group.add_argument("--model", default=hub.DEFAULT_MODEL, help="a known name or a checkpoint path (default: %(default)s)")
-    group.add_argument("--dtype", default="auto", help="auto (bf16), bf16, fp16 or fp32 (default: %(default)s)")
-    group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
-    group.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    group.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
-                       help="each position's logits independent of what shares its pass, so greedy SD/SSD "
-                            "equal AR in every dtype (default: on)")
-    group.add_argument("--quantization", default="auto", choices=MODES,
-                       help="auto: a GGUF's 4-bit blocks run as int4 (CPU, bf16), the rest in --dtype; "
-                            "none: all in --dtype; int8 / int4: every projection quantized (default: %(default)s)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="split the target's layers over this many processes (CPU, full precision; under "
-                            "torchrun: its ranks) (default: %(default)s)")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="reuse the KV entries of prompts that start like earlier ones (default: on)")
-    group.add_argument("--prefix-cache-mb", type=float, default=512.0,
-                       help="MiB of prompt KV entries kept for reuse, the target's and the draft's each "
-                            "(default: %(default)s)")
+def admission_limits(config: EngineConfig, kv_bytes: int) -> AdmissionLimits:
+    """The engine's limits: config.kv_cache_mb in tokens of kv_bytes each."""
+    return AdmissionLimits(config.max_num_seqs, int(config.kv_cache_mb * 2**20) // kv_bytes)
+
+
+def add_llm_arguments(parser: argparse.ArgumentParser, defaults: dict[str, tuple[object, str]] | None = None) -> None:
+    """LLM's options on a command line: EngineConfig's, then SpeculativeConfig's. defaults:
+    EngineConfig field -> (another default, how the help should describe it)."""
+    add_engine_arguments(parser, defaults=defaults)
     add_speculative_arguments(parser)
 
 
 def llm_from_args(args: argparse.Namespace) -> LLM:
     """The LLM the options of add_llm_arguments describe."""
-    return LLM(args.model, speculative_config_from_args(args), device=args.device, dtype=args.dtype, num_threads=args.threads,
-               batch_invariant=args.batch_invariant, quantization=args.quantization,
-               enable_prefix_caching=args.enable_prefix_caching, prefix_cache_mb=args.prefix_cache_mb,
-               tensor_parallel_size=args.tensor_parallel_size)
+    options = asdict(engine_config_from_args(args))
+    return LLM(options.pop("model"), speculative_config_from_args(args), **options)

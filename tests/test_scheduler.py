@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from saguaro import SamplingParams
-from saguaro.engine.loop import Engine
+from saguaro.engine.loop import AdmissionLimits, Engine
 from saguaro.engine.sequence import Sequence
 from saguaro.server.scheduler import QueueFull, Request, Scheduler, ShuttingDown, Update
 
@@ -59,11 +59,11 @@ class CountingTokenizer:
 
 
 class StandInLLM:
-    """What the scheduler uses of an LLM."""
+    """What the scheduler uses of an LLM: by default an engine that runs two requests at once."""
 
-    def __init__(self):
+    def __init__(self, limits: AdmissionLimits = AdmissionLimits(max_num_seqs=2)):
         self.decoder = CountingDecoder()
-        self.engine = Engine(self.decoder)
+        self.engine = Engine(self.decoder, limits)
         self.target = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT))
         self._ids = itertools.count()
 
@@ -96,7 +96,7 @@ def llm():
 
 @pytest.fixture
 def scheduler(llm):
-    scheduler = Scheduler(llm, max_batch_size=2, max_waiting=1, max_model_len=CONTEXT)
+    scheduler = Scheduler(llm, max_waiting=1, max_model_len=CONTEXT)
     scheduler.start()
     yield scheduler
     scheduler.shutdown()
@@ -143,13 +143,34 @@ def test_request_too_long_for_the_context_is_refused(scheduler):
     assert scheduler.max_new_tokens(3) == CONTEXT - 4
 
 
+def test_the_batch_is_what_the_engines_kv_budget_holds():
+    """Room for three requests of the whole context: three run, whatever max_num_seqs says, and
+    the cache is reserved for them up front; a budget under one request's context is refused."""
+    llm = StandInLLM(AdmissionLimits(max_num_seqs=8, kv_cache_tokens=3 * CONTEXT + 10))
+    scheduler = Scheduler(llm, max_waiting=0, max_model_len=CONTEXT)
+    assert scheduler.max_batch_size == 3 and llm.decoder.num_rows == 3
+    scheduler.start()
+    try:
+        llm.decoder.round_s = 0.01
+        running = [Client(scheduler, CONTEXT - 5) for _ in range(3)]
+        with pytest.raises(QueueFull):
+            Client(scheduler, 1)
+        wait_until(lambda: scheduler.stats().running == 3)
+        for client in running:
+            scheduler.cancel(client.id)
+    finally:
+        scheduler.shutdown()
+    with pytest.raises(ValueError, match="KV cache budget"):
+        Scheduler(StandInLLM(AdmissionLimits(kv_cache_tokens=CONTEXT - 1)), max_model_len=CONTEXT)
+
+
 def test_cancelling_frees_the_row_and_stops_updates(llm, scheduler):
     llm.decoder.round_s = 0.01
     running = [Client(scheduler, CONTEXT - 5) for _ in range(2)]
     waiting = Client(scheduler, CONTEXT - 5)
     wait_until(lambda: scheduler.stats().running == 2 and scheduler.stats().waiting == 1)
     scheduler.cancel(waiting.id)
-    assert scheduler.stats().waiting == 0
+    wait_until(lambda: scheduler.stats().waiting == 0)  # the engine drops it before the next round
     scheduler.cancel(running[0].id)
     wait_until(lambda: len(llm.decoder.rows) == 1)
     rounds = len(llm.decoder.batches)

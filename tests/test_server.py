@@ -96,9 +96,10 @@ class LiveServer:
 
 
 @pytest.fixture(scope="module")
-def ar_server(llm, offline):
-    server = LiveServer(llm, ServerConfig(MODEL, api_key=KEY, max_body_bytes=64 << 10), max_batch_size=32,
-                        max_waiting=64)
+def ar_server(offline):
+    """The session's model again, with the server's batch of 32 (its KV cache is reserved for all)."""
+    llm = LLM(MODEL, method="ar", dtype="float32", max_num_seqs=32)
+    server = LiveServer(llm, ServerConfig(MODEL, api_key=KEY, max_body_bytes=64 << 10), max_waiting=64)
     yield server
     server.stop()
 
@@ -337,8 +338,8 @@ def draft_path(llm, tmp_path_factory):
 def ssd_server(offline, draft_path):
     """Two requests run, one more may wait."""
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()  # an SSD LLM pins this thread
-    llm = LLM(MODEL, draft=str(draft_path), method="ssd", dtype="float32", num_speculative_tokens=3)
-    server = LiveServer(llm, ServerConfig(MODEL), max_batch_size=2, max_waiting=1)
+    llm = LLM(MODEL, draft=str(draft_path), method="ssd", dtype="float32", num_speculative_tokens=3, max_num_seqs=2)
+    server = LiveServer(llm, ServerConfig(MODEL), max_waiting=1)
     os.sched_setaffinity(0, affinity)  # the server's threads keep the pinning; what starts later does not
     yield server
     server.stop()
@@ -370,8 +371,8 @@ def test_ssd_requests_joining_a_running_batch_match_offline_generation(ssd_serve
 
 @pytest.fixture(scope="module")
 def sd_server(offline, draft_path):
-    server = LiveServer(LLM(MODEL, draft=str(draft_path), method="sd", dtype="float32", num_speculative_tokens=5),
-                        ServerConfig(MODEL))
+    server = LiveServer(LLM(MODEL, draft=str(draft_path), method="sd", dtype="float32", num_speculative_tokens=5,
+                            max_num_seqs=32), ServerConfig(MODEL))
     yield server
     server.stop()
 

@@ -58,6 +58,11 @@ def as_slice(rows: torch.Tensor | None) -> torch.Tensor | slice | None:
     return rows
 
 
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """What one token's keys and values take in a KVCache of this model, over all its layers."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
 def new_cache(model: LlamaModel, num_rows: int, num_slots: int) -> KVCache:
     """A cache with one extra slot per row: the scratch slot that padding writes to."""
     return KVCache(model.config, num_rows, num_slots + 1, model.dtype, model.device)

@@ -1,11 +1,14 @@
 """Continuous batching: requests join and leave the running batch between decoding rounds.
 
 One thread owns the LLM and drives its engine loop (saguaro.engine.loop, the one
-`LLM.generate` drives): it hands the engine the waiting requests that fit the batch, runs a
-step (their prefill, then one round for the whole running batch), sends each request the text
-that became final, and aborts cancelled requests. A request's tokens do not depend on the
-others in the batch; each keeps its own sampling parameters and random stream. Other threads
-only submit and cancel, under a lock.
+`LLM.generate` drives), which keeps the waiting and running requests and admits them within its
+limits: this thread hands it the requests submitted since the last step, runs a step (the
+prefill of what it admits, then one round for the whole running batch), sends each request the
+text that became final, and aborts cancelled requests. What is the server's own stays here:
+the requests' update callbacks, cancellation, and refusing requests once the batch and the
+waiting queue are full. A request's tokens do not depend on the others in the batch; each
+keeps its own sampling parameters and random stream. Other threads only submit and cancel,
+under a lock.
 """
 from __future__ import annotations
 
@@ -76,7 +79,8 @@ class SchedulerStats:
 
 
 @dataclass
-class _Running:
+class _Tracked:
+    """A request the engine holds (waiting or running), and what of it the stats have counted."""
     request: Request
     seq: Sequence
     tokens_counted: int = 0  # output tokens, acceptance lengths and cache hits already in the stats
@@ -85,28 +89,29 @@ class _Running:
 
 
 class Scheduler:
-    """max_batch_size: requests decoded together; max_waiting: requests queued beyond the
-    free batch places before submit raises QueueFull; max_model_len: prompt + output tokens
-    one request may reach (the KV cache is reserved for max_batch_size such requests)."""
+    """max_waiting: requests queued beyond the free batch places before submit raises
+    QueueFull; max_model_len: prompt + output tokens one request may reach. The batch is the
+    LLM engine's: its KV cache is reserved up front for as many requests of max_model_len as
+    its limits (max_num_seqs, kv_cache_mb) allow, max_batch_size."""
 
-    def __init__(self, llm: LLM, max_batch_size: int = 32, max_waiting: int = 128,
-                 max_model_len: int | None = None):
-        if max_batch_size < 1 or max_waiting < 0:
-            raise ValueError("max_batch_size must be >= 1 and max_waiting >= 0")
+    def __init__(self, llm: LLM, max_waiting: int = 128, max_model_len: int | None = None):
+        if max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
         self.llm = llm
         self.engine = llm.engine
         self.decoder = llm.decoder
         context = llm.target.config.max_position_embeddings
         self.max_model_len = min(max_model_len or context, context)
-        self.max_batch_size, self.max_waiting = max_batch_size, max_waiting
-        self.decoder.reserve(max_batch_size, self.max_model_len)
+        self.max_waiting = max_waiting
+        self.max_batch_size = self.engine.reserve(self.max_model_len)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._waiting: deque[Request] = deque()
+        self._submitted: deque[Request] = deque()  # not yet handed to the engine
         self._cancelled: set[int] = set()
-        self._running: dict[int, _Running] = {}  # request_id -> state; the scheduler thread's own
-        self._num_running = 0  # places taken in the batch, readable under the lock
+        self._tracked: dict[int, _Tracked] = {}  # request_id -> what the engine holds; the scheduler thread's own
+        self._num_unfinished = 0  # submitted and not yet ended, readable under the lock
+        self._num_running = 0  # of them, those in the running batch after the last step
         self._deadline: float | None = None  # set by shutdown: abort what is left after it
         self._stats = SchedulerStats()
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent rounds
@@ -127,23 +132,25 @@ class Scheduler:
         with self._lock:
             if self._deadline is not None:
                 raise ShuttingDown("the server is shutting down")
-            free = self.max_batch_size - self._num_running
-            if len(self._waiting) >= self.max_waiting + free:
+            if self._num_unfinished >= self.max_batch_size + self.max_waiting:
                 self._stats.rejected += 1
-                raise QueueFull(f"{self._num_running} requests running and {len(self._waiting)} waiting")
+                raise QueueFull(f"{self._num_running} requests running and "
+                                f"{self._num_unfinished - self._num_running} waiting")
             request.request_id = next(self._ids)
-            self._waiting.append(request)
+            self._submitted.append(request)
+            self._num_unfinished += 1
             self._wakeup.notify()
         return request.request_id
 
     def cancel(self, request_id: int) -> None:
-        """Drops a request (its client went away): it gets no more updates, and its cache row
-        is freed before the next round."""
+        """Drops a request (its client went away): it gets no more updates, and its place in
+        the engine (and cache row) is freed before the next round."""
         with self._lock:
-            for request in self._waiting:
+            for request in self._submitted:
                 if request.request_id == request_id:
-                    self._waiting.remove(request)
+                    self._submitted.remove(request)
                     self._stats.finished["cancelled"] += 1
+                    self._num_unfinished -= 1
                     return
             self._cancelled.add(request_id)
             self._wakeup.notify()
@@ -153,7 +160,7 @@ class Scheduler:
             self._forget_old_rounds()
             s = self._stats
             return SchedulerStats(**{**s.__dict__, "finished": dict(s.finished), "running": self._num_running,
-                                     "waiting": len(self._waiting),
+                                     "waiting": self._num_unfinished - self._num_running,
                                      "tokens_per_s": sum(n for _, n in self._recent) / TOKENS_PER_S_WINDOW_S})
 
     def start(self) -> None:
@@ -174,75 +181,81 @@ class Scheduler:
 
     def run(self) -> None:
         while (work := self._next_round()) is not None:
-            admitted, cancelled = work
-            self._drop([r for rid, r in self._running.items() if rid in cancelled], "cancelled")
+            submitted, cancelled = work
+            self._drop([self._tracked[rid] for rid in cancelled], "cancelled")
             try:
-                self._step(admitted)
+                self._step(submitted)
             except Exception as e:  # a failed round fails its requests, not the server
-                self._drop(list(self._running.values()), "error", f"engine error: {e!r}")
-        self._drop(list(self._running.values()), "error", "the server is shutting down")
+                waiting = {s.seq_id for s in self.engine.waiting}  # not in the round: they wait on
+                in_round = [t for t in self._tracked.values() if t.seq.seq_id not in waiting]
+                self._drop(in_round, "error", f"engine error: {e!r}")
+        self._drop(list(self._tracked.values()), "error", "the server is shutting down")
 
     def _next_round(self) -> tuple[list[Request], set[int]] | None:
-        """Waits for work; returns the requests to admit and the ids cancelled, or None when
-        it is time to stop (shutdown: nothing left, or the grace period is over)."""
+        """Waits for work; returns the requests submitted since the last round and the ids
+        cancelled, or None when it is time to stop (shutdown: nothing left, or the grace period
+        is over)."""
         with self._lock:
             while True:
                 if self._deadline is not None:
-                    if not (self._waiting or self._running) or time.perf_counter() >= self._deadline:
-                        for request in self._waiting:
+                    unfinished = self._submitted or self.engine.has_unfinished
+                    if not unfinished or time.perf_counter() >= self._deadline:
+                        for request in self._submitted:
                             self._send(request, Update("", len(request.prompt_ids), 0,
                                                        error="the server is shutting down"))
                             self._stats.finished["error"] += 1
-                        self._waiting.clear()
+                        self._num_unfinished -= len(self._submitted)
+                        self._submitted.clear()
                         return None
-                if self._waiting or self._running or self._cancelled:
+                if self._submitted or self.engine.has_unfinished or self._cancelled:
                     break
                 self._wakeup.wait(None if self._deadline is None else self._deadline - time.perf_counter())
-            cancelled = self._cancelled & self._running.keys()  # the others have finished already
+            cancelled = self._cancelled & self._tracked.keys()  # the others have finished already
             self._cancelled = set()
-            free = self.max_batch_size - len(self._running) + len(cancelled)
-            admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-            self._num_running = len(self._running) + len(admitted)
-            return admitted, cancelled
+            submitted = list(self._submitted)
+            self._submitted.clear()
+            return submitted, cancelled
 
     def _step(self, requests: list[Request]) -> None:
-        """Admits the requests (a prefill commits their first token), runs one engine step,
-        then sends each request its new text; a finished one is already out of the batch."""
-        admitted = []
+        """Hands the engine the new requests, runs one engine step (it admits what fits, a
+        prefill committing their first token, then decodes the running batch), then sends each
+        request its new text; a finished one is already out of the engine."""
+        new = []
         for request in requests:
             seq = self.llm.new_sequence(request.prompt_ids, request.params)
             seq.stats.t_arrival = request.arrival
-            admitted.append(_Running(request, seq))
-            self._running[request.request_id] = admitted[-1]
+            new.append(_Tracked(request, seq))
+            self._tracked[request.request_id] = new[-1]
         if requests:
             with self._lock:
                 self._stats.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
-        self.engine.add([r.seq for r in admitted])
+        self.engine.add([t.seq for t in new])
         result = self.engine.step()
-        by_seq = {r.seq.seq_id: r for r in self._running.values()}
-        running = [by_seq[u.seq.seq_id] for u in result.updates]
+        by_seq = {t.seq.seq_id: t for t in self._tracked.values()}
+        took_part = [by_seq[u.seq.seq_id] for u in result.updates]
         updates = [(by_seq[u.seq.seq_id].request, Update(u.new_text, len(u.seq.prompt_ids), len(u.seq.output_ids),
                                                          u.seq.finish_reason,
                                                          num_cached_tokens=u.seq.stats.cached_tokens))
                    for u in result.updates if u.new_text or u.seq.finished]
-        self._record(running)
-        finished = [r for r in running if r.seq.finished]
-        for r in finished:
-            del self._running[r.request.request_id]
+        self._record(took_part)
+        finished = [t for t in took_part if t.seq.finished]
+        for t in finished:
+            del self._tracked[t.request.request_id]
         with self._lock:
             if result.decoded:
                 self._stats.rounds += 1
                 self._stats.batch_size_sum += result.decoded
-            for r in finished:
-                self._stats.finished[r.seq.finish_reason] += 1
-            self._num_running -= len(finished)
+            for t in finished:
+                self._stats.finished[t.seq.finish_reason] += 1
+            self._num_unfinished -= len(finished)
+            self._num_running = len(self.engine.running)
         for request, update in updates:
             self._send(request, update)
 
-    def _record(self, running: list[_Running]) -> None:
+    def _record(self, took_part: list[_Tracked]) -> None:
         with self._lock:
             s, new_tokens = self._stats, 0
-            for r in running:
+            for r in took_part:
                 st = r.seq.stats
                 lengths = st.acceptance_lengths[r.rounds_counted:]
                 hits = st.cache_hits[r.hits_counted:]
@@ -262,20 +275,22 @@ class Scheduler:
         while self._recent and self._recent[0][0] < old:
             self._recent.popleft()
 
-    def _drop(self, running: list[_Running], reason: str, error: str | None = None) -> None:
-        """Ends requests early: cancelled (no update) or failed (an error update)."""
-        if not running:
+    def _drop(self, tracked: list[_Tracked], reason: str, error: str | None = None) -> None:
+        """Ends requests early, waiting or running: cancelled (no update) or failed (an error
+        update)."""
+        if not tracked:
             return
-        for r in running:
-            self._running.pop(r.request.request_id, None)
+        for t in tracked:
+            self._tracked.pop(t.request.request_id, None)
             if error is not None:
-                self._send(r.request, Update("", len(r.seq.prompt_ids), len(r.seq.output_ids), error=error))
+                self._send(t.request, Update("", len(t.seq.prompt_ids), len(t.seq.output_ids), error=error))
         try:
-            self.engine.abort([r.seq for r in running])
+            self.engine.abort([t.seq for t in tracked])
         finally:
             with self._lock:
-                self._stats.finished[reason] += len(running)
-                self._num_running -= len(running)
+                self._stats.finished[reason] += len(tracked)
+                self._num_unfinished -= len(tracked)
+                self._num_running = len(self.engine.running)
 
     @staticmethod
     def _send(request: Request, update: Update) -> None:

@@ -32,9 +32,10 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def build_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 32,
-                 max_waiting: int = 128, max_model_len: int | None = None, log_level: str = "warning") -> Server:
-    scheduler = Scheduler(llm, max_batch_size, max_waiting, max_model_len)
+def build_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 128,
+                 max_model_len: int | None = None, log_level: str = "warning") -> Server:
+    """The server's batch is the LLM's: its max_num_seqs and kv_cache_mb."""
+    scheduler = Scheduler(llm, max_waiting, max_model_len)
     app = create_app(llm, scheduler, config)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                timeout_graceful_shutdown=config.shutdown_grace_s + 5)
@@ -44,20 +45,20 @@ def build_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int =
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="saguaro serve", description="Serve a model over an OpenAI-compatible "
                                      "HTTP API with continuous batching.")
-    add_llm_arguments(parser)
+    add_llm_arguments(parser, defaults={"max_num_seqs": (32, "%(default)s")})
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     server.add_argument("--api-key", default=os.environ.get("SAGUARO_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $SAGUARO_API_KEY, else none)")
     server.add_argument("--served-model-name", help="the model's name in the API (default: --model)")
-    server.add_argument("--max-batch-size", type=int, default=32,
-                        help="requests decoded together (default: %(default)s)")
+    server.add_argument("--max-batch-size", dest="max_num_seqs", type=int, default=argparse.SUPPRESS,
+                        help="the same as --max-num-seqs")
     server.add_argument("--max-waiting", type=int, default=128,
                         help="requests queued beyond the batch before answering 429 (default: %(default)s)")
     server.add_argument("--max-model-len", type=int, default=2048,
-                        help="prompt + output tokens per request; the KV cache holds max-batch-size of them "
-                             "(default: %(default)s)")
+                        help="prompt + output tokens per request; the KV cache is reserved at start for "
+                             "--max-num-seqs of them, or as many as --kv-cache-mb holds (default: %(default)s)")
     server.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default: %(default)s)")
     server.add_argument("--shutdown-grace", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGINT/SIGTERM (default: %(default)s)")
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(args.served_model_name or str(args.model), args.api_key, args.max_body_bytes,
                           args.shutdown_grace)
     try:
-        server = off_the_main_thread(build_server, llm, config, args.host, args.port, args.max_batch_size,
-                                     args.max_waiting, args.max_model_len, args.log_level)
+        server = off_the_main_thread(build_server, llm, config, args.host, args.port, args.max_waiting,
+                                     args.max_model_len, args.log_level)
     except ValueError as e:
         llm.close()
         print(f"saguaro serve: error: {e}", file=sys.stderr)
