@@ -1,0 +1,78 @@
+"""The server against hostile or unlucky clients (issue 34): inputs that must get a 4xx rather than
+a 5xx; oversized prompts that must neither be tokenized nor stall other streams; the API key
+checked before anything else; connections that never finish sending; shutdown that ends every
+stream with an error event; Host headers that are not loopback names.
+
+Each test builds its own server on the session's fp32 model (a few hundred milliseconds), so
+that its limits can be set small; `saguaro serve` runs in a subprocess where signals matter."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from saguaro.server.app import ServerConfig
+from test_server import CONTEXT, KEY, MODEL, LiveServer
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture
+def keyed(llm):
+    """A server that requires the API key."""
+    server = LiveServer(llm, ServerConfig(MODEL, api_key=KEY), max_batch_size=8, max_waiting=8)
+    yield server
+    server.stop()
+
+
+def post_raw(url: str, path: str, raw: str, headers: dict | None = None) -> httpx.Response:
+    """Posts raw JSON text (escapes such as \\ud800 reach the server as written)."""
+    return httpx.post(url + path, content=raw.encode(), timeout=60,
+                      headers={"Content-Type": "application/json", **AUTH, **(headers or {})})
+
+
+# --- 3: no input gets a 5xx --------------------------------------------------------------------
+
+COMPLETION = '{"model": "smollm2", "max_tokens": 4, '
+CHAT = '{"model": "smollm2", "max_tokens": 4, "messages": '
+HOSTILE = {  # name: (path, raw JSON)
+    "surrogate in the prompt": ("/v1/completions", COMPLETION + '"prompt": "\\ud800abc"}'),
+    "surrogate in a prompt list": ("/v1/completions", COMPLETION + '"prompt": ["\\udfffabc"]}'),
+    "surrogate in a stop string": ("/v1/completions", COMPLETION + '"prompt": "Hi", "stop": "\\ud800"}'),
+    "surrogate in a stop list": ("/v1/completions", COMPLETION + '"prompt": "Hi", "stop": ["a", "b\\udc00"]}'),
+    "surrogate in a chat message": ("/v1/chat/completions", CHAT + '[{"role": "user", "content": "\\ud800"}]}'),
+    "surrogate in a content part": ("/v1/chat/completions",
+                                    CHAT + '[{"role": "user", "content": [{"type": "text", "text": "a\\ud800"}]}]}'),
+    "surrogate in a message name": ("/v1/chat/completions",
+                                    CHAT + '[{"role": "user", "content": "Hi", "name": "\\ud800"}]}'),
+    "surrogate in user": ("/v1/completions", COMPLETION + '"prompt": "Hi", "user": "\\ud800"}'),
+    "surrogate in an unknown field's name": ("/v1/completions", COMPLETION + '"prompt": "Hi", "\\ud800": 1}'),
+    "surrogate in a logit_bias key": ("/v1/completions", COMPLETION + '"prompt": "Hi", "logit_bias": {"\\ud800": 1}}'),
+    "half a surrogate pair after a whole one": ("/v1/completions", COMPLETION + '"prompt": "\\ud83d\\ude00 \\ud83d"}'),
+    "top_k beyond int64": ("/v1/completions", COMPLETION + '"prompt": "Hi", "temperature": 1, '
+                                                           '"top_k": 100000000000000000000}'),
+    "token id beyond int64": ("/v1/completions", COMPLETION + '"prompt": [1, 100000000000000000000000]}'),
+    "negative token id": ("/v1/completions", COMPLETION + '"prompt": [[-1]]}'),
+}
+ODD_BUT_VALID = {
+    "a whole surrogate pair": COMPLETION + '"prompt": "\\ud83d\\ude00 Hello", "stop": "\\ud83d\\ude00"}',
+    "a deeply nested unknown field": COMPLETION + '"prompt": "Hi", "x": ' + "[" * 900 + "]" * 900 + "}",
+    "a denormal temperature": COMPLETION + '"prompt": "Hi", "temperature": 5e-324}',
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_input_gets_a_400_and_the_server_keeps_serving(keyed, name):
+    path, raw = HOSTILE[name]
+    r = post_raw(keyed.url, path, raw)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["message"]
+    good = post_raw(keyed.url, "/v1/completions", COMPLETION + '"prompt": "Hello"}')
+    assert good.status_code == 200
+
+
+@pytest.mark.parametrize("name", list(ODD_BUT_VALID))
+def test_odd_but_valid_input_is_served(keyed, name):
+    r = post_raw(keyed.url, "/v1/completions", ODD_BUT_VALID[name])
+    assert r.status_code == 200, r.text
