@@ -8,6 +8,7 @@ that its limits can be set small; `saguaro serve` runs in a subprocess where sig
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import pytest
@@ -76,3 +77,37 @@ def test_hostile_input_gets_a_400_and_the_server_keeps_serving(keyed, name):
 def test_odd_but_valid_input_is_served(keyed, name):
     r = post_raw(keyed.url, "/v1/completions", ODD_BUT_VALID[name])
     assert r.status_code == 200, r.text
+
+
+# --- 5: the API key before anything else -----------------------------------------------------------
+
+def test_metrics_need_the_key_and_health_tells_only_that_it_is_up(keyed):
+    assert httpx.get(keyed.url + "/metrics").status_code == 401
+    assert httpx.get(keyed.url + "/metrics", headers=AUTH).status_code == 200
+    assert httpx.get(keyed.url + "/health").json() == {"status": "ok"}
+    assert set(httpx.get(keyed.url + "/health", headers=AUTH).json()) == {"status", "running", "waiting"}
+
+
+UNAUTHENTICATED = {  # name: (method, path, body)
+    "garbage": ("POST", "/v1/completions", b'{"garbage": 1}'),
+    "malformed JSON": ("POST", "/v1/chat/completions", b'{"model": '),
+    "a body over the limit": ("POST", "/v1/completions", b'{"prompt": "' + b"x" * (2 << 20) + b'"}'),
+    "a lone surrogate": ("POST", "/v1/completions", b'{"prompt": "\\ud800"}'),
+    "an unknown path": ("GET", "/v1/engines", b""),
+}
+
+
+@pytest.mark.parametrize("name", list(UNAUTHENTICATED))
+def test_requests_without_the_key_get_401_whatever_their_body(keyed, name):
+    method, path, body = UNAUTHENTICATED[name]
+    r = httpx.request(method, keyed.url + path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 401, r.text
+    assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_the_key_is_checked_before_the_body_is_read(keyed):
+    """Headers that announce a body which never comes: the 401 needs none of it."""
+    with socket.create_connection(("127.0.0.1", int(keyed.url.rsplit(":", 1)[1])), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{")
+        assert s.recv(4096).startswith(b"HTTP/1.1 401 ")

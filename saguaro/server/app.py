@@ -4,6 +4,11 @@ The scheduler thread owns the model; each HTTP request submits one engine reques
 (n of them, which share the prompt's prefill through the prefix cache) and reads their updates
 from an asyncio queue that the scheduler fills through call_soon_threadsafe. A request whose
 client goes away is cancelled, which frees its places in the batch and its cache.
+
+With an API key, every path but /health needs it, and it is checked from the headers before
+anything reads the body: without it, any request gets 401 and learns nothing of what the server
+would accept. /health answers {"status": "ok"} to anyone, so that a liveness probe needs no
+secret; the load (requests running and waiting) is only for holders of the key, as is /metrics.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ DISCONNECT_POLL_S = 0.5
 @dataclass
 class ServerConfig:
     model_name: str  # what /v1/models lists and requests must name
-    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on every path but /health when set
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 30.0  # in-flight requests may finish within this on shutdown
 
@@ -86,6 +91,34 @@ class EngineStream:
         self.running.clear()
 
 
+PUBLIC_PATHS = frozenset({"/health"})  # answered without the API key (with less in it)
+
+
+def key_given(headers: list[tuple[bytes, bytes]], api_key: str | None) -> bool:
+    """Whether the request carries "Authorization: Bearer KEY" (always true without a key)."""
+    if api_key is None:
+        return True
+    given = dict(headers).get(b"authorization", b"")
+    return hmac.compare_digest(given, f"Bearer {api_key}".encode())
+
+
+class Gate:
+    """ASGI middleware: refuses a request without the API key (every path but /health needs it)
+    from its headers alone, before anything reads, limits or validates its body, so that an
+    unauthenticated client learns nothing about what the server would accept."""
+
+    def __init__(self, app, api_key: str | None, errors: Counter[int]):
+        self.app, self.api_key, self.errors = app, api_key, errors
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or key_given(scope["headers"], self.api_key):
+            return await self.app(scope, receive, send)
+        self.errors[401] += 1
+        body = error_body("a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
+        # the body is left unread: the connection closes rather than wait for it
+        await JSONResponse(body, status_code=401, headers={"Connection": "close"})(scope, receive, send)
+
+
 class BodyLimit:
     """ASGI middleware: a request body over max_bytes is refused with 413."""
 
@@ -125,6 +158,7 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
 
     app = FastAPI(title="saguaro", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(Gate, api_key=config.api_key, errors=errors)  # the last added runs first
 
     def error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
         errors[status] += 1
@@ -153,20 +187,16 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
         return error_response(500, error_body(f"internal error: {e!r}", "server_error"))
 
-    def authorize(request: Request) -> None:
-        if config.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-            raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
-
     def check_model(body: SamplingRequest) -> None:
         if body.model != config.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{config.model_name!r}", param="model", code="model_not_found")
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health(request: Request) -> dict:
+        """Liveness for anyone; the load only for holders of the key."""
+        if not key_given(request.scope["headers"], config.api_key):
+            return {"status": "ok"}
         s = scheduler.stats()
         return {"status": "ok", "running": s.running, "waiting": s.waiting}
 
@@ -177,14 +207,12 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        authorize(request)
+    async def models() -> dict:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "saguaro", "max_model_len": scheduler.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        authorize(request)
         body.check_supported()
         check_model(body)
         prompt = body.single_prompt()
@@ -199,7 +227,6 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        authorize(request)
         body.check_supported()
         check_model(body)
         try:
