@@ -13,6 +13,7 @@ import socket
 import httpx
 import pytest
 
+from saguaro.server import serve
 from saguaro.server.app import ServerConfig
 from test_server import CONTEXT, KEY, MODEL, LiveServer
 
@@ -111,3 +112,38 @@ def test_the_key_is_checked_before_the_body_is_read(keyed):
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{")
         assert s.recv(4096).startswith(b"HTTP/1.1 401 ")
+
+
+# --- 8: Host names (DNS rebinding) ----------------------------------------------------------------
+
+def test_loopback_without_a_key_answers_only_loopback_host_names():
+    assert serve.default_allowed_hosts("127.0.0.1", None) == ["localhost", "127.0.0.1", "::1"]
+    assert serve.default_allowed_hosts("localhost", None) == ["localhost", "127.0.0.1", "::1"]
+    assert serve.default_allowed_hosts("::1", None) == ["localhost", "127.0.0.1", "::1"]
+    assert serve.default_allowed_hosts("127.0.0.1", KEY) == ["*"]  # the key protects it
+    assert serve.default_allowed_hosts("0.0.0.0", None) == ["*"]  # exposed on purpose
+
+
+def status_for_host(url: str, host: str) -> int:
+    return httpx.get(url + "/v1/models", headers={"Host": host, **AUTH}).status_code
+
+
+@pytest.mark.parametrize("allowed, refused, admitted", [
+    (None, ["evil.example", "evil.example:80", "127.0.0.1.evil.example", "localhost.evil.example"],
+     ["localhost", "LOCALHOST:8000", "127.0.0.1:1", "[::1]:8000", "localhost."]),
+    (["api.example"], ["localhost", "evil.example"], ["api.example", "API.example:443"]),
+    (["*"], [], ["evil.example", "localhost"]),
+])
+def test_host_header_is_checked_on_loopback_without_a_key(llm, allowed, refused, admitted):
+    server = LiveServer(llm, ServerConfig(MODEL, allowed_hosts=allowed), max_batch_size=2, max_waiting=2)
+    try:
+        for host in refused:
+            r = httpx.get(server.url + "/health", headers={"Host": host})
+            assert r.status_code == 400 and "Host" in r.json()["error"]["message"], host
+        assert all(status_for_host(server.url, host) == 200 for host in admitted)
+    finally:
+        server.stop()
+
+
+def test_host_header_is_not_checked_with_a_key(keyed):
+    assert status_for_host(keyed.url, "evil.example") == 200

@@ -44,6 +44,8 @@ class ServerConfig:
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on every path but /health when set
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 30.0  # in-flight requests may finish within this on shutdown
+    # Host header names answered ("*": any); None: any here, and build_server's default for its bind
+    allowed_hosts: list[str] | None = None
 
 
 class EngineStream:
@@ -102,21 +104,45 @@ def key_given(headers: list[tuple[bytes, bytes]], api_key: str | None) -> bool:
     return hmac.compare_digest(given, f"Bearer {api_key}".encode())
 
 
-class Gate:
-    """ASGI middleware: refuses a request without the API key (every path but /health needs it)
-    from its headers alone, before anything reads, limits or validates its body, so that an
-    unauthenticated client learns nothing about what the server would accept."""
+def host_name(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The Host header's name, lowercase, without its port or a final dot; None without one."""
+    host = dict(headers).get(b"host")
+    if host is None:
+        return None
+    name = host.decode("latin-1").strip().lower()
+    name = name[1:name.index("]")] if name.startswith("[") and "]" in name else name.rsplit(":", 1)[0]
+    return name.rstrip(".")
 
-    def __init__(self, app, api_key: str | None, errors: Counter[int]):
+
+class Gate:
+    """ASGI middleware that judges a request by its headers alone, before anything reads, limits
+    or validates its body: first the Host header, which a DNS-rebinding page cannot choose (its
+    requests name the attacker's domain, though they reach a loopback address), then the API key
+    (every path but /health needs it), so that an unauthenticated client learns nothing about
+    what the server would accept. A request without a Host header (no browser sends one) passes."""
+
+    def __init__(self, app, api_key: str | None, allowed_hosts: list[str] | None, errors: Counter[int]):
         self.app, self.api_key, self.errors = app, api_key, errors
+        self.allowed_hosts = None if allowed_hosts is None or "*" in allowed_hosts else \
+            {h.lower().rstrip(".") for h in allowed_hosts}
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or key_given(scope["headers"], self.api_key):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        self.errors[401] += 1
-        body = error_body("a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
-        # the body is left unread: the connection closes rather than wait for it
-        await JSONResponse(body, status_code=401, headers={"Connection": "close"})(scope, receive, send)
+        host = host_name(scope["headers"])
+        if self.allowed_hosts is not None and host is not None and host not in self.allowed_hosts:
+            return await self.refuse(400, error_body(f"the Host header {host!r} is not one this server answers to "
+                                                     f"(saguaro serve --allowed-hosts)", code="host_not_allowed"),
+                                     scope, receive, send)
+        if scope["path"] not in PUBLIC_PATHS and not key_given(scope["headers"], self.api_key):
+            return await self.refuse(401, error_body("a valid API key is required (Authorization: Bearer KEY)",
+                                                     code="invalid_api_key"), scope, receive, send)
+        await self.app(scope, receive, send)
+
+    async def refuse(self, status: int, body: dict, scope, receive, send) -> None:
+        """The body is left unread: the connection closes rather than wait for it."""
+        self.errors[status] += 1
+        await JSONResponse(body, status_code=status, headers={"Connection": "close"})(scope, receive, send)
 
 
 class BodyLimit:
@@ -158,7 +184,7 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
 
     app = FastAPI(title="saguaro", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    app.add_middleware(Gate, api_key=config.api_key, errors=errors)  # the last added runs first
+    app.add_middleware(Gate, api_key=config.api_key, allowed_hosts=config.allowed_hosts, errors=errors)  # the last added runs first
 
     def error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
         errors[status] += 1

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import ipaddress
 import os
 import socket
 import sys
@@ -16,6 +18,7 @@ from saguaro.server.app import ServerConfig, create_app
 from saguaro.server.scheduler import Scheduler
 
 T = TypeVar("T")
+LOOPBACK_HOSTS = ["localhost", "127.0.0.1", "::1"]
 
 
 class Server(uvicorn.Server):
@@ -32,8 +35,25 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def default_allowed_hosts(bind: str, api_key: str | None) -> list[str]:
+    """Loopback names only for a server bound to loopback without a key: any web page the user
+    opens could otherwise reach it through DNS rebinding. A key protects a server on its own, and
+    one bound elsewhere without a key is exposed on purpose."""
+    return list(LOOPBACK_HOSTS) if api_key is None and is_loopback(bind) else ["*"]
+
+
 def build_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 32,
                  max_waiting: int = 128, max_model_len: int | None = None, log_level: str = "warning") -> Server:
+    """config.allowed_hosts None: default_allowed_hosts for the bind."""
+    if config.allowed_hosts is None:
+        config = dataclasses.replace(config, allowed_hosts=default_allowed_hosts(host, config.api_key))
     scheduler = Scheduler(llm, max_batch_size, max_waiting, max_model_len)
     app = create_app(llm, scheduler, config)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
@@ -50,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     server.add_argument("--api-key", default=os.environ.get("SAGUARO_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $SAGUARO_API_KEY, else none)")
+    server.add_argument("--allowed-hosts", type=lambda v: [h.strip() for h in v.split(",") if h.strip()],
+                        help="comma-separated Host header names answered, * for any (default: localhost, "
+                             "127.0.0.1 and ::1 when bound to loopback without --api-key, else any)")
     server.add_argument("--served-model-name", help="the model's name in the API (default: --model)")
     server.add_argument("--max-batch-size", type=int, default=32,
                         help="requests decoded together (default: %(default)s)")
@@ -85,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"saguaro serve: error: {e}", file=sys.stderr)
         return 1
     config = ServerConfig(args.served_model_name or str(args.model), args.api_key, args.max_body_bytes,
-                          args.shutdown_grace)
+                          args.shutdown_grace, args.allowed_hosts)
     try:
         server = off_the_main_thread(build_server, llm, config, args.host, args.port, args.max_batch_size,
                                      args.max_waiting, args.max_model_len, args.log_level)
