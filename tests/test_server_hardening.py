@@ -7,15 +7,17 @@ Each test builds its own server on the session's fp32 model (a few hundred milli
 that its limits can be set small; `saguaro serve` runs in a subprocess where signals matter."""
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import time
 
 import httpx
 import pytest
 
 from saguaro.server import serve
 from saguaro.server.app import ServerConfig
-from test_server import CONTEXT, KEY, MODEL, LiveServer
+from test_server import CONTEXT, KEY, MODEL, TIMEOUT_S, LiveServer
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -147,3 +149,62 @@ def test_host_header_is_checked_on_loopback_without_a_key(llm, allowed, refused,
 
 def test_host_header_is_not_checked_with_a_key(keyed):
     assert status_for_host(keyed.url, "evil.example") == 200
+
+
+# --- 4: oversized prompts are refused untokenized; tokenizing stalls no stream ---------------------
+
+def counting_encode(monkeypatch, llm, delay_s: float = 0.0) -> list:
+    """Replaces llm.encode with one that records each call (and may sleep first, as a long
+    prompt's tokenizing would take)."""
+    calls, encode = [], llm.encode
+
+    def encode_and_count(prompt):
+        calls.append(prompt)
+        time.sleep(delay_s)
+        return encode(prompt)
+
+    monkeypatch.setattr(llm, "encode", encode_and_count)
+    return calls
+
+
+@pytest.mark.parametrize("body", [
+    {"model": MODEL, "prompt": "word " * 20_000},
+    {"model": MODEL, "messages": [{"role": "user", "content": "word " * 10_000}] * 2},
+])
+def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(keyed, monkeypatch, body):
+    calls = counting_encode(monkeypatch, keyed.llm)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(keyed.url + path, json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+    assert calls == []
+    r = httpx.post(keyed.url + path, json={**body, "prompt": "word " * 300, "messages": [{"role": "user",
+                                                                                         "content": "word " * 300}]},
+                   headers=AUTH, timeout=60)
+    assert r.status_code == 400 and "tokens" in r.json()["error"]["message"] and len(calls) == 1  # within the bound
+
+
+def test_tokenizing_does_not_stall_streams(keyed, monkeypatch):
+    """Three prompts that each take a second to tokenize arrive while a stream runs: its chunks
+    keep coming (tokenizing on the event loop stalled it for all three seconds)."""
+    counting_encode(monkeypatch, keyed.llm, delay_s=1.0)
+
+    async def run() -> float:
+        async with httpx.AsyncClient(base_url=keyed.url, headers=AUTH, timeout=TIMEOUT_S) as c:
+            gaps, last = [], None
+            body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 120, "ignore_eos": True, "stream": True}
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                slow = None
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    now = time.perf_counter()
+                    if last is None:  # decoding has started: the slow prompts arrive
+                        slow = asyncio.gather(*(c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi",
+                                                                                "max_tokens": 2}) for _ in range(3)))
+                    else:
+                        gaps.append(now - last)
+                    last = now
+                assert all(r.status_code == 200 for r in await slow)
+            return max(gaps)
+
+    assert asyncio.run(run()) < 0.5

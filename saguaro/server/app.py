@@ -237,13 +237,24 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "saguaro", "max_model_len": scheduler.max_model_len}]}
 
+    max_prompt_chars = scheduler.max_model_len * longest_token(llm.tokenizer)
+
+    def check_prompt_chars(chars: int, param: str) -> None:
+        """Refuses, untokenized, a prompt with more characters than the context's tokens could
+        hold were each the vocabulary's longest: such a prompt cannot fit, and tokenizing a
+        megabyte only to say so took about a second."""
+        if chars > max_prompt_chars:
+            raise APIError(400, f"the prompt has {chars} characters; it cannot fit the context of "
+                                f"{scheduler.max_model_len} tokens, which hold at most {max_prompt_chars}", param=param)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         body.check_supported()
         check_model(body)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
-            prompt_ids = llm.encode(prompt)
+            check_prompt_chars(len(prompt), "prompt")
+            prompt_ids = await asyncio.to_thread(llm.encode, prompt)  # the streams go on meanwhile
         else:
             vocab = llm.target.config.vocab_size
             if not all(0 <= t < vocab for t in prompt):
@@ -255,8 +266,10 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         body.check_supported()
         check_model(body)
+        messages = [m.as_template_input() for m in body.messages]
+        check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            prompt_ids = llm.encode([m.as_template_input() for m in body.messages])
+            prompt_ids = await asyncio.to_thread(llm.encode, messages)  # the streams go on meanwhile
         except Exception as e:  # the chat template refused the conversation
             raise APIError(400, f"the chat template cannot format these messages: {e}", param="messages") from e
         return await respond(request, body, prompt_ids, body.requested_max_tokens, chat=True)
@@ -279,6 +292,12 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
         return await reply.whole(stream, request)
 
     return app
+
+
+def longest_token(tokenizer) -> int:
+    """The characters of the vocabulary's longest token, as spelled in the vocabulary: at least
+    the characters of text it stands for (a byte-level token spells each byte as a character)."""
+    return max(map(len, tokenizer.get_vocab()))
 
 
 class Reply:
