@@ -208,3 +208,87 @@ def test_tokenizing_does_not_stall_streams(keyed, monkeypatch):
             return max(gaps)
 
     assert asyncio.run(run()) < 0.5
+
+
+# --- 6: connections that never finish sending ----------------------------------------------------
+
+def slow_server(llm, **limits) -> LiveServer:
+    return LiveServer(llm, ServerConfig(MODEL, api_key=KEY, header_timeout_s=1.0, body_timeout_s=1.0, **limits),
+                      max_batch_size=2, max_waiting=2)
+
+
+def port(server: LiveServer) -> int:
+    return int(server.url.rsplit(":", 1)[1])
+
+
+STALLED = {  # what a connection sends, then nothing more
+    "nothing": b"",
+    "part of the headers": b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty",
+    "headers and part of the body": (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+                                     + KEY.encode() + b"\r\nContent-Type: application/json\r\n"
+                                     b"Content-Length: 1000\r\n\r\n{\"model\": "),
+}
+
+
+def closed_within(sockets: list[socket.socket], seconds: float) -> int:
+    """How many of the sockets the server closed within the time (what it sent before is read)."""
+    deadline, closed = time.monotonic() + seconds, 0
+    for s in sockets:
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                s.settimeout(left)
+                if not s.recv(4096):
+                    closed += 1
+                    break
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            closed += 1
+    return closed
+
+
+def test_connections_that_stall_are_closed_within_the_timeouts(llm):
+    server = slow_server(llm)
+    sockets = []
+    try:
+        for sent in STALLED.values():
+            for _ in range(20):
+                sockets.append(socket.create_connection(("127.0.0.1", port(server))))
+                sockets[-1].sendall(sent)
+        assert closed_within(sockets, 3.0) == len(sockets)
+        trickle = socket.create_connection(("127.0.0.1", port(server)))  # one header byte every 0.2 s
+        sockets.append(trickle)
+        request, start = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100, time.monotonic()
+        for byte in request:
+            trickle.sendall(bytes([byte]))
+            if closed_within([trickle], 0.2):
+                break
+        assert time.monotonic() - start < 2.5  # the headers' time runs from their first byte
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+
+
+def test_the_body_timeout_answers_408(llm):
+    server = slow_server(llm)
+    try:
+        with socket.create_connection(("127.0.0.1", port(server)), timeout=5) as s:
+            s.sendall(STALLED["headers and part of the body"])
+            assert s.recv(4096).startswith(b"HTTP/1.1 408 ")
+    finally:
+        server.stop()
+
+
+def test_connections_beyond_the_limit_are_refused_until_stalled_ones_time_out(llm):
+    server = slow_server(llm, limit_concurrency=4)
+    sockets = [socket.create_connection(("127.0.0.1", port(server))) for _ in range(4)]
+    try:
+        assert httpx.get(server.url + "/health").status_code == 503
+        time.sleep(1.5)
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()

@@ -46,6 +46,11 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0  # in-flight requests may finish within this on shutdown
     # Host header names answered ("*": any); None: any here, and build_server's default for its bind
     allowed_hosts: list[str] | None = None
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this of their first byte
+    body_timeout_s: float = 30.0  # and its body within this of its headers
+    keep_alive_s: float = 5.0  # an idle connection between requests is closed after this
+    limit_concurrency: int | None = 512  # connections or requests beyond it are answered 503
+    max_header_bytes: int = 16 << 10
 
 
 class EngineStream:
@@ -168,6 +173,37 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
+class BodyTimeout:
+    """ASGI middleware: a request body that has not all arrived within timeout_s of the app's
+    first read is answered 408 and its connection closed; uvicorn would wait for ever. Reads
+    after the body (a streaming response listening for the client going away) are not timed."""
+
+    def __init__(self, app, timeout_s: float):
+        self.app, self.timeout_s = app, timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        deadline: float | None = None
+        body_done = False
+
+        async def timed_receive():
+            nonlocal deadline, body_done
+            if body_done:
+                return await receive()
+            loop = asyncio.get_running_loop()
+            deadline = deadline or loop.time() + self.timeout_s
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except TimeoutError:
+                raise HTTPException(408, f"the request body did not arrive within {self.timeout_s:g} s",
+                                    headers={"Connection": "close"}) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
 def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> FastAPI:
     """The app starts the scheduler thread; on shutdown it stops it (requests still running
     get an error) and closes the LLM, which stops an SSD draft worker."""
@@ -184,6 +220,7 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
 
     app = FastAPI(title="saguaro", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyTimeout, timeout_s=config.body_timeout_s)
     app.add_middleware(Gate, api_key=config.api_key, allowed_hosts=config.allowed_hosts, errors=errors)  # the last added runs first
 
     def error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
+import functools
 import ipaddress
 import os
 import socket
@@ -12,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from saguaro.llm import add_llm_arguments, llm_from_args
 from saguaro.server.app import ServerConfig, create_app
@@ -33,6 +36,50 @@ class Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.scheduler.shutdown(self.grace_s, wait=False)
         await super().shutdown(sockets)
+
+
+class HeaderTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol, but a request's headers must all arrive within header_timeout_s
+    of their first byte (of the connection's opening, for its first request): uvicorn itself
+    waits for them for ever, so connections that never finish their headers piled up. The body
+    has the app's own timeout (BodyTimeout), and an idle connection uvicorn's keep-alive one."""
+
+    def __init__(self, *args, header_timeout_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self.header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.watch_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self.watch_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.stop_header_timer()
+        super().connection_lost(exc)
+
+    def awaiting_headers(self) -> bool:
+        """No request is being answered, so what arrives (or is yet to) is the next one's headers."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def watch_headers(self) -> None:
+        if not self.awaiting_headers():
+            self.stop_header_timer()
+        elif self.header_timer is None:
+            self.header_timer = self.loop.call_later(self.header_timeout_s, self.headers_too_slow)
+
+    def stop_header_timer(self) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+
+    def headers_too_slow(self) -> None:
+        self.header_timer = None
+        if self.awaiting_headers() and not self.transport.is_closing():
+            self.transport.close()
 
 
 def is_loopback(host: str) -> bool:
@@ -57,7 +104,10 @@ def build_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int =
     scheduler = Scheduler(llm, max_batch_size, max_waiting, max_model_len)
     app = create_app(llm, scheduler, config)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                               timeout_graceful_shutdown=config.shutdown_grace_s + 5)
+                               timeout_graceful_shutdown=config.shutdown_grace_s + 5,
+                               http=functools.partial(HeaderTimeoutH11, header_timeout_s=config.header_timeout_s),
+                               timeout_keep_alive=config.keep_alive_s, limit_concurrency=config.limit_concurrency,
+                               h11_max_incomplete_event_size=config.max_header_bytes)
     return Server(uv_config, scheduler, config.shutdown_grace_s)
 
 
@@ -82,6 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt + output tokens per request; the KV cache holds max-batch-size of them "
                              "(default: %(default)s)")
     server.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default: %(default)s)")
+    server.add_argument("--max-header-bytes", type=int, default=16 << 10,
+                        help="request headers limit (default: %(default)s)")
+    server.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a request's headers may take to arrive (default: %(default)s)")
+    server.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request's body may take to arrive after its headers (default: %(default)s)")
+    server.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="seconds an idle connection is kept open between requests (default: %(default)s)")
+    server.add_argument("--limit-concurrency", type=int, default=512,
+                        help="connections beyond which new requests are answered 503 (default: %(default)s)")
     server.add_argument("--shutdown-grace", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGINT/SIGTERM (default: %(default)s)")
     server.add_argument("--log-level", default="info", help="uvicorn's log level (default: %(default)s)")
@@ -108,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"saguaro serve: error: {e}", file=sys.stderr)
         return 1
     config = ServerConfig(args.served_model_name or str(args.model), args.api_key, args.max_body_bytes,
-                          args.shutdown_grace, args.allowed_hosts)
+                          args.shutdown_grace, args.allowed_hosts, args.header_timeout, args.body_timeout,
+                          args.timeout_keep_alive, args.limit_concurrency, args.max_header_bytes)
     try:
         server = off_the_main_thread(build_server, llm, config, args.host, args.port, args.max_batch_size,
                                      args.max_waiting, args.max_model_len, args.log_level)
