@@ -8,8 +8,12 @@ that its limits can be set small; `saguaro serve` runs in a subprocess where sig
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -17,7 +21,7 @@ import pytest
 
 from saguaro.server import serve
 from saguaro.server.app import ServerConfig
-from test_server import CONTEXT, KEY, MODEL, TIMEOUT_S, LiveServer
+from test_server import KEY, MODEL, TIMEOUT_S, LiveServer, _events, _healthy, _running, wait_until
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -292,3 +296,81 @@ def test_connections_beyond_the_limit_are_refused_until_stalled_ones_time_out(ll
         for s in sockets:
             s.close()
         server.stop()
+
+
+# --- 7: shutdown ends every stream with an error event ------------------------------------------
+
+@contextlib.contextmanager
+def serve_process(tmp_path, *args: str):
+    """`saguaro serve --method ar` on a free loopback port, in a subprocess: (process, url)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    command = [sys.executable, "-m", "saguaro.server", "--method", "ar", "--dtype", "float32", "--max-model-len",
+               "4096", "--max-batch-size", "4", "--port", str(free), "--log-level", "warning", *args]
+    with open(tmp_path / "server.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{free}"
+            wait_until(lambda: process.poll() is None and _healthy(url), timeout_s=TIMEOUT_S)
+            yield process, url
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+LONG = {"model": MODEL, "prompt": "Hello", "max_tokens": 4000, "ignore_eos": True}
+
+
+async def whole(c: httpx.AsyncClient, body: dict) -> tuple[int, dict]:
+    r = await c.post("/v1/completions", json=body)
+    return r.status_code, r.json()  # a plain-text answer fails here
+
+
+def ended_by_shutdown(events: list) -> bool:
+    return events[-1] == "[DONE]" and "shutting down" in events[-2]["error"]["message"]
+
+
+def test_sigterm_ends_at_once_what_cannot_finish_in_the_grace_period(tmp_path):
+    """A request that fits the grace period finishes; those that cannot (4000 tokens in 30 s)
+    end at once with an error event or a 503, and the server exits without waiting out the grace."""
+    with serve_process(tmp_path, "--shutdown-grace", "30") as (server, url):
+        async def run() -> tuple:
+            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as c:
+                short = asyncio.ensure_future(_events(c, {**LONG, "max_tokens": 6, "stream": True}))
+                endless = asyncio.ensure_future(_events(c, {**LONG, "stream": True}))
+                waiting = asyncio.ensure_future(whole(c, LONG))
+                await asyncio.to_thread(wait_until, lambda: _running(url) == 3)
+                await asyncio.sleep(1.0)  # the server has seen them decode
+                server.send_signal(signal.SIGTERM)
+                return time.monotonic(), await short, await endless, await waiting
+
+        signalled, short, endless, (status, answer) = asyncio.run(run())
+        assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"
+        assert ended_by_shutdown(endless)
+        assert status == 503 and "shutting down" in answer["error"]["message"]
+        assert server.wait(timeout=60) == -signal.SIGTERM
+        assert time.monotonic() - signalled < 20  # not the 30 s of grace
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
+
+
+def test_a_forced_quit_ends_every_stream_with_an_error_event(tmp_path):
+    """A second SIGINT: the streams get an error event and [DONE], a whole completion a JSON 503.
+    The grace period (an hour) is long enough for them all: the first SIGINT ends none."""
+    fitting = {**LONG, "max_tokens": 1000}
+    with serve_process(tmp_path, "--shutdown-grace", "3600") as (server, url):
+        async def run() -> tuple:
+            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as c:
+                streams = [asyncio.ensure_future(_events(c, {**fitting, "stream": True})) for _ in range(2)]
+                waiting = asyncio.ensure_future(whole(c, fitting))
+                await asyncio.to_thread(wait_until, lambda: _running(url) == 3)
+                server.send_signal(signal.SIGINT)
+                await asyncio.sleep(1.0)
+                server.send_signal(signal.SIGINT)
+                return await asyncio.gather(*streams), await waiting
+
+        streams, (status, answer) = asyncio.run(run())
+        assert all(ended_by_shutdown(events) for events in streams)
+        assert status == 503 and "shutting down" in answer["error"]["message"]
+        server.wait(timeout=30)

@@ -36,6 +36,7 @@ from saguaro.server.protocol import (APIError, ChatCompletionRequest, Completion
 
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.5
+PACE_MARGIN = 2.0  # see Inflight
 
 
 @dataclass
@@ -57,12 +58,16 @@ class EngineStream:
     """The updates of one HTTP request's engine requests (one per sample), carried from the
     scheduler thread to the event loop as (sample index, update)."""
 
-    def __init__(self, scheduler: sched.Scheduler, prompt_ids: list[int], params: SamplingParams):
-        self.scheduler = scheduler
+    def __init__(self, scheduler: sched.Scheduler, prompt_ids: list[int], params: SamplingParams,
+                 inflight: Inflight):
+        self.scheduler, self.inflight = scheduler, inflight
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, sched.Update]] = asyncio.Queue()
         self.request_ids: list[int] = []
         self.running: set[int] = set()  # samples not ended
+        self.max_tokens = params.max_tokens
+        self.generated: dict[int, int] = {}  # output tokens by sample
+        self.since: tuple[float, int] | None = None  # (time, tokens generated) at the first update
         try:
             for index, sample in enumerate(params.samples()):
                 self.request_ids.append(scheduler.submit(sched.Request(prompt_ids, sample, self._putter(index))))
@@ -75,6 +80,7 @@ class EngineStream:
             if isinstance(e, sched.ShuttingDown):
                 raise APIError(503, str(e), "server_error") from e
             raise APIError(400, str(e), param="max_tokens") from e
+        inflight.streams.add(self)
 
     @property
     def done(self) -> bool:
@@ -89,13 +95,54 @@ class EngineStream:
         index, update = await self.queue.get()
         if update.done:
             self.running.discard(index)
+        if update.error is None:
+            self.generated[index] = update.num_output_tokens
+            self.since = self.since or (self.loop.time(), sum(self.generated.values()))
         return index, update
+
+    def seconds_to_finish(self) -> float | None:
+        """How long, at the rate its samples have decoded since their first update, until the
+        furthest behind reaches max_tokens (an end of text may come sooner); None before any
+        decoding could be timed."""
+        if self.since is None or not self.running:
+            return None
+        elapsed, decoded = self.loop.time() - self.since[0], sum(self.generated.values()) - self.since[1]
+        if elapsed <= 0 or decoded <= 0:
+            return None
+        left = max(self.max_tokens - self.generated.get(index, 0) for index in self.running)
+        return left / (decoded / elapsed / len(self.request_ids))
+
+    def end(self, error: str) -> None:
+        """Ends the request early with an error update, as the scheduler ends one; close()
+        then cancels its samples."""
+        if self.running:
+            self.queue.put_nowait((min(self.running), sched.Update("", 0, 0, error=error)))
 
     def close(self) -> None:
         """Cancels the samples that have not ended."""
         for index in sorted(self.running):
             self.scheduler.cancel(self.request_ids[index])
         self.running.clear()
+        self.inflight.streams.discard(self)
+
+
+class Inflight:
+    """The requests being answered, so that shutdown can end at once those that cannot finish
+    within its grace period, rather than run them until it is over for nothing. A request is
+    ended only if even at PACE_MARGIN times its pace so far it could not finish: the pace of a
+    fresh process's first rounds, or of a loaded machine's, varies severalfold, and one ended
+    wrongly is lost while one kept wrongly only waits for the grace period's end."""
+
+    def __init__(self):
+        self.streams: set[EngineStream] = set()
+
+    def end_unfinishable(self, seconds_left: float) -> None:
+        for stream in list(self.streams):
+            needed = stream.seconds_to_finish()
+            if needed is not None and needed > PACE_MARGIN * seconds_left:
+                self.streams.discard(stream)
+                stream.end(f"the server is shutting down: this request would need {needed:.0f} s more, "
+                           f"beyond the {max(seconds_left, 0):.0f} s left of its grace period")
 
 
 PUBLIC_PATHS = frozenset({"/health"})  # answered without the API key (with less in it)
@@ -206,8 +253,10 @@ class BodyTimeout:
 
 def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> FastAPI:
     """The app starts the scheduler thread; on shutdown it stops it (requests still running
-    get an error) and closes the LLM, which stops an SSD draft worker."""
+    get an error) and closes the LLM, which stops an SSD draft worker. app.state.inflight holds
+    the requests being answered."""
     errors: Counter[int] = Counter()  # refused requests by status, for /metrics
+    inflight = Inflight()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -219,6 +268,7 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
             llm.close()
 
     app = FastAPI(title="saguaro", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.inflight = inflight
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(BodyTimeout, timeout_s=config.body_timeout_s)
     app.add_middleware(Gate, api_key=config.api_key, allowed_hosts=config.allowed_hosts, errors=errors)  # the last added runs first
@@ -321,7 +371,7 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
             raise APIError(400, f"max_tokens ({max_tokens}) is too large: the prompt has {len(prompt_ids)} tokens "
                                 f"and the context {scheduler.max_model_len}, which leaves at most {room}",
                            param="max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens")
-        stream = EngineStream(scheduler, prompt_ids, body.sampling_params(max_tokens or room))
+        stream = EngineStream(scheduler, prompt_ids, body.sampling_params(max_tokens or room), inflight)
         reply = Reply(new_id("chatcmpl" if chat else "cmpl"), config.model_name, chat)
         if body.stream:
             return StreamingResponse(reply.events(stream, body.include_usage), media_type="text/event-stream",

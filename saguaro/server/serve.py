@@ -17,25 +17,49 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from saguaro.llm import add_llm_arguments, llm_from_args
-from saguaro.server.app import ServerConfig, create_app
+from saguaro.server.app import Inflight, ServerConfig, create_app
 from saguaro.server.scheduler import Scheduler
 
 T = TypeVar("T")
+END_CHECK_S = 0.5  # how often shutdown looks for requests that cannot finish in its grace period
+FORCED_QUIT_DRAIN_S = 2.0  # a forced quit waits this long at most for the error events to go out
 LOOPBACK_HOSTS = ["localhost", "127.0.0.1", "::1"]
 
 
 class Server(uvicorn.Server):
     """Starts the scheduler's grace period as soon as shutdown begins: requests in flight may
-    finish within it, and those still running at its end get a clean error event before
-    uvicorn closes their connections."""
+    finish within it; those whose pace shows they cannot end at once, and those still running
+    at its end get the same clean error (an SSE error event and [DONE], or a JSON 503) before
+    uvicorn closes their connections. A forced quit (a second SIGINT) ends them all so, and
+    gives the error events a moment to go out: uvicorn would cut the streams and answer a
+    plain-text 500."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace_s: float):
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, inflight: Inflight, grace_s: float):
         super().__init__(config)
-        self.scheduler, self.grace_s = scheduler, grace_s
+        self.scheduler, self.inflight, self.grace_s = scheduler, inflight, grace_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.scheduler.shutdown(self.grace_s, wait=False)
-        await super().shutdown(sockets)
+        ending = asyncio.ensure_future(self.end_what_cannot_finish(asyncio.get_running_loop().time() + self.grace_s))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+        if self.force_exit:
+            self.scheduler.shutdown(0.0, wait=False)
+            await self.connections_closed(FORCED_QUIT_DRAIN_S)
+
+    async def end_what_cannot_finish(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self.inflight.end_unfinishable(deadline - loop.time())
+            await asyncio.sleep(END_CHECK_S)
+
+    async def connections_closed(self, timeout_s: float) -> None:
+        """Waits until the connections close (each once its response is out), or timeout_s."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.server_state.connections and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
 
 
 class HeaderTimeoutH11(H11Protocol):
@@ -108,7 +132,7 @@ def build_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int =
                                http=functools.partial(HeaderTimeoutH11, header_timeout_s=config.header_timeout_s),
                                timeout_keep_alive=config.keep_alive_s, limit_concurrency=config.limit_concurrency,
                                h11_max_incomplete_event_size=config.max_header_bytes)
-    return Server(uv_config, scheduler, config.shutdown_grace_s)
+    return Server(uv_config, scheduler, app.state.inflight, config.shutdown_grace_s)
 
 
 def build_parser() -> argparse.ArgumentParser:
