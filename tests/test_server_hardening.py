@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import socket
 import subprocess
@@ -188,9 +187,10 @@ def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(keyed, monke
 
 
 def test_tokenizing_does_not_stall_streams(keyed, monkeypatch):
-    """Three prompts that each take a second to tokenize arrive while a stream runs: its chunks
-    keep coming (tokenizing on the event loop stalled it for all three seconds)."""
-    counting_encode(monkeypatch, keyed.llm, delay_s=1.0)
+    """Three prompts that each take 3 s to tokenize arrive while a stream runs: no gap between
+    its chunks comes near 3 s (tokenizing on the event loop stalled it for all 9), though a
+    loaded machine may take most of a second per token."""
+    counting_encode(monkeypatch, keyed.llm, delay_s=3.0)
 
     async def run() -> float:
         async with httpx.AsyncClient(base_url=keyed.url, headers=AUTH, timeout=TIMEOUT_S) as c:
@@ -211,7 +211,7 @@ def test_tokenizing_does_not_stall_streams(keyed, monkeypatch):
                 assert all(r.status_code == 200 for r in await slow)
             return max(gaps)
 
-    assert asyncio.run(run()) < 0.5
+    assert asyncio.run(run()) < 2.5
 
 
 # --- 6: connections that never finish sending ----------------------------------------------------

@@ -271,7 +271,8 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
     app.state.inflight = inflight
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(BodyTimeout, timeout_s=config.body_timeout_s)
-    app.add_middleware(Gate, api_key=config.api_key, allowed_hosts=config.allowed_hosts, errors=errors)  # the last added runs first
+    # the last added runs first: the gate before anything reads the body
+    app.add_middleware(Gate, api_key=config.api_key, allowed_hosts=config.allowed_hosts, errors=errors)
 
     def error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
         errors[status] += 1
@@ -332,7 +333,8 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
         megabyte only to say so took about a second."""
         if chars > max_prompt_chars:
             raise APIError(400, f"the prompt has {chars} characters; it cannot fit the context of "
-                                f"{scheduler.max_model_len} tokens, which hold at most {max_prompt_chars}", param=param)
+                                f"{scheduler.max_model_len} tokens, which hold at most {max_prompt_chars}",
+                           param=param)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
