@@ -116,7 +116,7 @@ def http(ar_server):
 
 
 def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+    for line in httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text.splitlines():
         if line.startswith(f"saguaro_{name} "):
             return float(line.split()[1])
     raise KeyError(name)

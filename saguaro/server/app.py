@@ -4,6 +4,11 @@ The scheduler thread owns the model; each HTTP request submits one engine reques
 (n of them, which share the prompt's prefill through the prefix cache) and reads their updates
 from an asyncio queue that the scheduler fills through call_soon_threadsafe. A request whose
 client goes away is cancelled, which frees its places in the batch and its cache.
+
+With an API key, every path but /health needs it, and it is checked from the headers before
+anything reads the body: without it, any request gets 401 and learns nothing of what the server
+would accept. /health answers {"status": "ok"} to anyone, so that a liveness probe needs no
+secret; the load (requests running and waiting) is only for holders of the key, as is /metrics.
 """
 from __future__ import annotations
 
@@ -31,26 +36,38 @@ from saguaro.server.protocol import (APIError, ChatCompletionRequest, Completion
 
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.5
+PACE_MARGIN = 2.0  # see Inflight
 
 
 @dataclass
 class ServerConfig:
     model_name: str  # what /v1/models lists and requests must name
-    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on every path but /health when set
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 30.0  # in-flight requests may finish within this on shutdown
+    # Host header names answered ("*": any); None: any here, and build_server's default for its bind
+    allowed_hosts: list[str] | None = None
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this of their first byte
+    body_timeout_s: float = 30.0  # and its body within this of its headers
+    keep_alive_s: float = 5.0  # an idle connection between requests is closed after this
+    limit_concurrency: int | None = 512  # connections or requests beyond it are answered 503
+    max_header_bytes: int = 16 << 10
 
 
 class EngineStream:
     """The updates of one HTTP request's engine requests (one per sample), carried from the
     scheduler thread to the event loop as (sample index, update)."""
 
-    def __init__(self, scheduler: sched.Scheduler, prompt_ids: list[int], params: SamplingParams):
-        self.scheduler = scheduler
+    def __init__(self, scheduler: sched.Scheduler, prompt_ids: list[int], params: SamplingParams,
+                 inflight: Inflight):
+        self.scheduler, self.inflight = scheduler, inflight
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, sched.Update]] = asyncio.Queue()
         self.request_ids: list[int] = []
         self.running: set[int] = set()  # samples not ended
+        self.max_tokens = params.max_tokens
+        self.generated: dict[int, int] = {}  # output tokens by sample
+        self.since: tuple[float, int] | None = None  # (time, tokens generated) at the first update
         try:
             for index, sample in enumerate(params.samples()):
                 self.request_ids.append(scheduler.submit(sched.Request(prompt_ids, sample, self._putter(index))))
@@ -63,6 +80,7 @@ class EngineStream:
             if isinstance(e, sched.ShuttingDown):
                 raise APIError(503, str(e), "server_error") from e
             raise APIError(400, str(e), param="max_tokens") from e
+        inflight.streams.add(self)
 
     @property
     def done(self) -> bool:
@@ -77,13 +95,106 @@ class EngineStream:
         index, update = await self.queue.get()
         if update.done:
             self.running.discard(index)
+        if update.error is None:
+            self.generated[index] = update.num_output_tokens
+            self.since = self.since or (self.loop.time(), sum(self.generated.values()))
         return index, update
+
+    def seconds_to_finish(self) -> float | None:
+        """How long, at the rate its samples have decoded since their first update, until the
+        furthest behind reaches max_tokens (an end of text may come sooner); None before any
+        decoding could be timed."""
+        if self.since is None or not self.running:
+            return None
+        elapsed, decoded = self.loop.time() - self.since[0], sum(self.generated.values()) - self.since[1]
+        if elapsed <= 0 or decoded <= 0:
+            return None
+        left = max(self.max_tokens - self.generated.get(index, 0) for index in self.running)
+        return left / (decoded / elapsed / len(self.request_ids))
+
+    def end(self, error: str) -> None:
+        """Ends the request early with an error update, as the scheduler ends one; close()
+        then cancels its samples."""
+        if self.running:
+            self.queue.put_nowait((min(self.running), sched.Update("", 0, 0, error=error)))
 
     def close(self) -> None:
         """Cancels the samples that have not ended."""
         for index in sorted(self.running):
             self.scheduler.cancel(self.request_ids[index])
         self.running.clear()
+        self.inflight.streams.discard(self)
+
+
+class Inflight:
+    """The requests being answered, so that shutdown can end at once those that cannot finish
+    within its grace period, rather than run them until it is over for nothing. A request is
+    ended only if even at PACE_MARGIN times its pace so far it could not finish: the pace of a
+    fresh process's first rounds, or of a loaded machine's, varies severalfold, and one ended
+    wrongly is lost while one kept wrongly only waits for the grace period's end."""
+
+    def __init__(self):
+        self.streams: set[EngineStream] = set()
+
+    def end_unfinishable(self, seconds_left: float) -> None:
+        for stream in list(self.streams):
+            needed = stream.seconds_to_finish()
+            if needed is not None and needed > PACE_MARGIN * seconds_left:
+                self.streams.discard(stream)
+                stream.end(f"the server is shutting down: this request would need {needed:.0f} s more, "
+                           f"beyond the {max(seconds_left, 0):.0f} s left of its grace period")
+
+
+PUBLIC_PATHS = frozenset({"/health"})  # answered without the API key (with less in it)
+
+
+def key_given(headers: list[tuple[bytes, bytes]], api_key: str | None) -> bool:
+    """Whether the request carries "Authorization: Bearer KEY" (always true without a key)."""
+    if api_key is None:
+        return True
+    given = dict(headers).get(b"authorization", b"")
+    return hmac.compare_digest(given, f"Bearer {api_key}".encode())
+
+
+def host_name(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The Host header's name, lowercase, without its port or a final dot; None without one."""
+    host = dict(headers).get(b"host")
+    if host is None:
+        return None
+    name = host.decode("latin-1").strip().lower()
+    name = name[1:name.index("]")] if name.startswith("[") and "]" in name else name.rsplit(":", 1)[0]
+    return name.rstrip(".")
+
+
+class Gate:
+    """ASGI middleware that judges a request by its headers alone, before anything reads, limits
+    or validates its body: first the Host header, which a DNS-rebinding page cannot choose (its
+    requests name the attacker's domain, though they reach a loopback address), then the API key
+    (every path but /health needs it), so that an unauthenticated client learns nothing about
+    what the server would accept. A request without a Host header (no browser sends one) passes."""
+
+    def __init__(self, app, api_key: str | None, allowed_hosts: list[str] | None, errors: Counter[int]):
+        self.app, self.api_key, self.errors = app, api_key, errors
+        self.allowed_hosts = None if allowed_hosts is None or "*" in allowed_hosts else \
+            {h.lower().rstrip(".") for h in allowed_hosts}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        host = host_name(scope["headers"])
+        if self.allowed_hosts is not None and host is not None and host not in self.allowed_hosts:
+            return await self.refuse(400, error_body(f"the Host header {host!r} is not one this server answers to "
+                                                     f"(saguaro serve --allowed-hosts)", code="host_not_allowed"),
+                                     scope, receive, send)
+        if scope["path"] not in PUBLIC_PATHS and not key_given(scope["headers"], self.api_key):
+            return await self.refuse(401, error_body("a valid API key is required (Authorization: Bearer KEY)",
+                                                     code="invalid_api_key"), scope, receive, send)
+        await self.app(scope, receive, send)
+
+    async def refuse(self, status: int, body: dict, scope, receive, send) -> None:
+        """The body is left unread: the connection closes rather than wait for it."""
+        self.errors[status] += 1
+        await JSONResponse(body, status_code=status, headers={"Connection": "close"})(scope, receive, send)
 
 
 class BodyLimit:
@@ -109,10 +220,43 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
+class BodyTimeout:
+    """ASGI middleware: a request body that has not all arrived within timeout_s of the app's
+    first read is answered 408 and its connection closed; uvicorn would wait for ever. Reads
+    after the body (a streaming response listening for the client going away) are not timed."""
+
+    def __init__(self, app, timeout_s: float):
+        self.app, self.timeout_s = app, timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        deadline: float | None = None
+        body_done = False
+
+        async def timed_receive():
+            nonlocal deadline, body_done
+            if body_done:
+                return await receive()
+            loop = asyncio.get_running_loop()
+            deadline = deadline or loop.time() + self.timeout_s
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except TimeoutError:
+                raise HTTPException(408, f"the request body did not arrive within {self.timeout_s:g} s",
+                                    headers={"Connection": "close"}) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
 def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> FastAPI:
     """The app starts the scheduler thread; on shutdown it stops it (requests still running
-    get an error) and closes the LLM, which stops an SSD draft worker."""
+    get an error) and closes the LLM, which stops an SSD draft worker. app.state.inflight holds
+    the requests being answered."""
     errors: Counter[int] = Counter()  # refused requests by status, for /metrics
+    inflight = Inflight()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -124,7 +268,11 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
             llm.close()
 
     app = FastAPI(title="saguaro", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.inflight = inflight
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyTimeout, timeout_s=config.body_timeout_s)
+    # the last added runs first: the gate before anything reads the body
+    app.add_middleware(Gate, api_key=config.api_key, allowed_hosts=config.allowed_hosts, errors=errors)
 
     def error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
         errors[status] += 1
@@ -153,20 +301,16 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
         return error_response(500, error_body(f"internal error: {e!r}", "server_error"))
 
-    def authorize(request: Request) -> None:
-        if config.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-            raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
-
     def check_model(body: SamplingRequest) -> None:
         if body.model != config.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{config.model_name!r}", param="model", code="model_not_found")
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health(request: Request) -> dict:
+        """Liveness for anyone; the load only for holders of the key."""
+        if not key_given(request.scope["headers"], config.api_key):
+            return {"status": "ok"}
         s = scheduler.stats()
         return {"status": "ok", "running": s.running, "waiting": s.waiting}
 
@@ -177,19 +321,29 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        authorize(request)
+    async def models() -> dict:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "saguaro", "max_model_len": scheduler.max_model_len}]}
 
+    max_prompt_chars = scheduler.max_model_len * longest_token(llm.tokenizer)
+
+    def check_prompt_chars(chars: int, param: str) -> None:
+        """Refuses, untokenized, a prompt with more characters than the context's tokens could
+        hold were each the vocabulary's longest: such a prompt cannot fit, and tokenizing a
+        megabyte only to say so took about a second."""
+        if chars > max_prompt_chars:
+            raise APIError(400, f"the prompt has {chars} characters; it cannot fit the context of "
+                                f"{scheduler.max_model_len} tokens, which hold at most {max_prompt_chars}",
+                           param=param)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        authorize(request)
         body.check_supported()
         check_model(body)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
-            prompt_ids = llm.encode(prompt)
+            check_prompt_chars(len(prompt), "prompt")
+            prompt_ids = await asyncio.to_thread(llm.encode, prompt)  # the streams go on meanwhile
         else:
             vocab = llm.target.config.vocab_size
             if not all(0 <= t < vocab for t in prompt):
@@ -199,11 +353,12 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        authorize(request)
         body.check_supported()
         check_model(body)
+        messages = [m.as_template_input() for m in body.messages]
+        check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            prompt_ids = llm.encode([m.as_template_input() for m in body.messages])
+            prompt_ids = await asyncio.to_thread(llm.encode, messages)  # the streams go on meanwhile
         except Exception as e:  # the chat template refused the conversation
             raise APIError(400, f"the chat template cannot format these messages: {e}", param="messages") from e
         return await respond(request, body, prompt_ids, body.requested_max_tokens, chat=True)
@@ -218,7 +373,7 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
             raise APIError(400, f"max_tokens ({max_tokens}) is too large: the prompt has {len(prompt_ids)} tokens "
                                 f"and the context {scheduler.max_model_len}, which leaves at most {room}",
                            param="max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens")
-        stream = EngineStream(scheduler, prompt_ids, body.sampling_params(max_tokens or room))
+        stream = EngineStream(scheduler, prompt_ids, body.sampling_params(max_tokens or room), inflight)
         reply = Reply(new_id("chatcmpl" if chat else "cmpl"), config.model_name, chat)
         if body.stream:
             return StreamingResponse(reply.events(stream, body.include_usage), media_type="text/event-stream",
@@ -226,6 +381,12 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
         return await reply.whole(stream, request)
 
     return app
+
+
+def longest_token(tokenizer) -> int:
+    """The characters of the vocabulary's longest token, as spelled in the vocabulary: at least
+    the characters of text it stands for (a byte-level token spells each byte as a character)."""
+    return max(map(len, tokenizer.get_vocab()))
 
 
 class Reply:

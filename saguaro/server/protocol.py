@@ -11,10 +11,12 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from saguaro.engine.sampler import SamplingParams
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_K = 2 ** 31 - 1  # the sampler takes top_k as a C integer; anything over the vocabulary is "off" anyway
 
 
 class APIError(Exception):
@@ -47,7 +49,7 @@ class SamplingRequest(BaseModel):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)  # an extension (vLLM's): -1 is off
+    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K)  # an extension (vLLM's): -1 is off
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -59,6 +61,16 @@ class SamplingRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def valid_unicode(cls, data: Any) -> Any:
+        """JSON may escape half a UTF-16 surrogate pair (\\ud800), which Python keeps as a lone
+        surrogate: no tokenizer or UTF-8 encoder takes it, so it is refused wherever it is."""
+        if (where := lone_surrogate(data)) is not None:
+            raise PydanticCustomError("lone_surrogate", "{where} holds a lone UTF-16 surrogate (half of an "
+                                      "escaped pair such as \\ud800): text must be valid Unicode", {"where": where})
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -86,6 +98,32 @@ class SamplingRequest(BaseModel):
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
                               max_tokens=max_tokens, stop=[self.stop] if isinstance(self.stop, str) else
                               list(self.stop or []), ignore_eos=self.ignore_eos, n=self.n)
+
+
+def lone_surrogate(data: Any) -> str | None:
+    """Where (a dotted path) the first string or key holding a lone surrogate is in parsed JSON,
+    or None. Iterative: a deeply nested body must not overflow the stack."""
+    pending: list[tuple[str, Any]] = [("", data)]
+    while pending:
+        where, value = pending.pop()
+        if isinstance(value, str) and not is_encodable(value):
+            return where or "the body"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and not is_encodable(key):
+                    return f"a key of {where or 'the body'}"
+                pending.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(value, list):
+            pending.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+def is_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class CompletionRequest(SamplingRequest):

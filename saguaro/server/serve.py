@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import functools
+import ipaddress
 import os
 import socket
 import sys
@@ -10,36 +14,126 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from saguaro.llm import add_llm_arguments, llm_from_args
-from saguaro.server.app import ServerConfig, create_app
+from saguaro.server.app import Inflight, ServerConfig, create_app
 from saguaro.server.scheduler import Scheduler
 
 T = TypeVar("T")
+END_CHECK_S = 0.5  # how often shutdown looks for requests that cannot finish in its grace period
+FORCED_QUIT_DRAIN_S = 2.0  # a forced quit waits this long at most for the error events to go out
+LOOPBACK_HOSTS = ["localhost", "127.0.0.1", "::1"]
 
 
 class Server(uvicorn.Server):
     """Starts the scheduler's grace period as soon as shutdown begins: requests in flight may
-    finish within it, and those still running at its end get a clean error event before
-    uvicorn closes their connections."""
+    finish within it; those whose pace shows they cannot end at once, and those still running
+    at its end get the same clean error (an SSE error event and [DONE], or a JSON 503) before
+    uvicorn closes their connections. A forced quit (a second SIGINT) ends them all so, and
+    gives the error events a moment to go out: uvicorn would cut the streams and answer a
+    plain-text 500."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace_s: float):
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, inflight: Inflight, grace_s: float):
         super().__init__(config)
-        self.scheduler, self.grace_s = scheduler, grace_s
+        self.scheduler, self.inflight, self.grace_s = scheduler, inflight, grace_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.scheduler.shutdown(self.grace_s, wait=False)
-        await super().shutdown(sockets)
+        ending = asyncio.ensure_future(self.end_what_cannot_finish(asyncio.get_running_loop().time() + self.grace_s))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+        if self.force_exit:
+            self.scheduler.shutdown(0.0, wait=False)
+            await self.connections_closed(FORCED_QUIT_DRAIN_S)
+
+    async def end_what_cannot_finish(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self.inflight.end_unfinishable(deadline - loop.time())
+            await asyncio.sleep(END_CHECK_S)
+
+    async def connections_closed(self, timeout_s: float) -> None:
+        """Waits until the connections close (each once its response is out), or timeout_s."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.server_state.connections and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+
+
+class HeaderTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol, but a request's headers must all arrive within header_timeout_s
+    of their first byte (of the connection's opening, for its first request): uvicorn itself
+    waits for them for ever, so connections that never finish their headers piled up. The body
+    has the app's own timeout (BodyTimeout), and an idle connection uvicorn's keep-alive one."""
+
+    def __init__(self, *args, header_timeout_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self.header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.watch_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self.watch_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.stop_header_timer()
+        super().connection_lost(exc)
+
+    def awaiting_headers(self) -> bool:
+        """No request is being answered, so what arrives (or is yet to) is the next one's headers."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def watch_headers(self) -> None:
+        if not self.awaiting_headers():
+            self.stop_header_timer()
+        elif self.header_timer is None:
+            self.header_timer = self.loop.call_later(self.header_timeout_s, self.headers_too_slow)
+
+    def stop_header_timer(self) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+
+    def headers_too_slow(self) -> None:
+        self.header_timer = None
+        if self.awaiting_headers() and not self.transport.is_closing():
+            self.transport.close()
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def default_allowed_hosts(bind: str, api_key: str | None) -> list[str]:
+    """Loopback names only for a server bound to loopback without a key: any web page the user
+    opens could otherwise reach it through DNS rebinding. A key protects a server on its own, and
+    one bound elsewhere without a key is exposed on purpose."""
+    return list(LOOPBACK_HOSTS) if api_key is None and is_loopback(bind) else ["*"]
 
 
 def build_server(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 128,
                  max_model_len: int | None = None, log_level: str = "warning") -> Server:
-    """The server's batch is the LLM's: its max_num_seqs and kv_cache_mb."""
+    """The server's batch is the LLM's: its max_num_seqs and kv_cache_mb. config.allowed_hosts
+    None: default_allowed_hosts for the bind."""
+    if config.allowed_hosts is None:
+        config = dataclasses.replace(config, allowed_hosts=default_allowed_hosts(host, config.api_key))
     scheduler = Scheduler(llm, max_waiting, max_model_len)
     app = create_app(llm, scheduler, config)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                               timeout_graceful_shutdown=config.shutdown_grace_s + 5)
-    return Server(uv_config, scheduler, config.shutdown_grace_s)
+                               timeout_graceful_shutdown=config.shutdown_grace_s + 5,
+                               http=functools.partial(HeaderTimeoutH11, header_timeout_s=config.header_timeout_s),
+                               timeout_keep_alive=config.keep_alive_s, limit_concurrency=config.limit_concurrency,
+                               h11_max_incomplete_event_size=config.max_header_bytes)
+    return Server(uv_config, scheduler, app.state.inflight, config.shutdown_grace_s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     server.add_argument("--api-key", default=os.environ.get("SAGUARO_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $SAGUARO_API_KEY, else none)")
+    server.add_argument("--allowed-hosts", type=lambda v: [h.strip() for h in v.split(",") if h.strip()],
+                        help="comma-separated Host header names answered, * for any (default: localhost, "
+                             "127.0.0.1 and ::1 when bound to loopback without --api-key, else any)")
     server.add_argument("--served-model-name", help="the model's name in the API (default: --model)")
     server.add_argument("--max-batch-size", dest="max_num_seqs", type=int, default=argparse.SUPPRESS,
                         help="the same as --max-num-seqs")
@@ -60,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt + output tokens per request; the KV cache is reserved at start for "
                              "--max-num-seqs of them, or as many as --kv-cache-mb holds (default: %(default)s)")
     server.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default: %(default)s)")
+    server.add_argument("--max-header-bytes", type=int, default=16 << 10,
+                        help="request headers limit (default: %(default)s)")
+    server.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a request's headers may take to arrive (default: %(default)s)")
+    server.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request's body may take to arrive after its headers (default: %(default)s)")
+    server.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="seconds an idle connection is kept open between requests (default: %(default)s)")
+    server.add_argument("--limit-concurrency", type=int, default=512,
+                        help="connections beyond which new requests are answered 503 (default: %(default)s)")
     server.add_argument("--shutdown-grace", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGINT/SIGTERM (default: %(default)s)")
     server.add_argument("--log-level", default="info", help="uvicorn's log level (default: %(default)s)")
@@ -86,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"saguaro serve: error: {e}", file=sys.stderr)
         return 1
     config = ServerConfig(args.served_model_name or str(args.model), args.api_key, args.max_body_bytes,
-                          args.shutdown_grace)
+                          args.shutdown_grace, args.allowed_hosts, args.header_timeout, args.body_timeout,
+                          args.timeout_keep_alive, args.limit_concurrency, args.max_header_bytes)
     try:
         server = off_the_main_thread(build_server, llm, config, args.host, args.port, args.max_waiting,
                                      args.max_model_len, args.log_level)
