@@ -181,8 +181,10 @@ class Decoder:
         verified = time.perf_counter()
         record = RoundRecord(choice, seqs, lengths_before, proposal, outcomes,
                              proposed - started - (proposal.start_s if proposal else 0.0), verified - proposed)
-        for reader in self.readers:
-            reader.keep_hidden(seqs, hidden)
+        if readers := self.readers:
+            ran = [hidden[i, :outcome.accepted_len + 1] for i, outcome in enumerate(outcomes)]
+            for reader in readers:
+                reader.keep_hidden(seqs, ran)
         if proposal is not None:
             proposer.observe(record)
         self.policy.observe(record)

@@ -26,8 +26,10 @@ def sample_next(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 class Verifier:
     """The target, its KV cache (one row per running sequence) and the prefix cache: runs the
-    target's passes and commits what they decide. Each call returns, per sequence, the target's
-    final hidden states at the tokens it ran: what a draft that reads them (EAGLE) is given."""
+    target's passes and commits what they decide. Each call also returns the target's final
+    hidden states at the tokens it ran, what a draft that reads them (EAGLE) is given: per
+    sequence after a prefill, as one [B, T, hidden] tensor after a round (a sequence's first
+    accepted_len + 1 rows are its own)."""
 
     def __init__(self, target: LlamaModel, prefix_cache: PrefixCache | None = None):
         self.target = target
@@ -62,17 +64,17 @@ class Verifier:
             seq.commit([token])
         return [hidden[i, :len(tail)] for i, tail in enumerate(tails)]
 
-    def decode(self, seqs: list[Sequence]) -> tuple[list[Outcome], list[torch.Tensor]]:
+    def decode(self, seqs: list[Sequence]) -> tuple[list[Outcome], torch.Tensor]:
         """An AR round: one target pass over each sequence's last token, one token committed."""
         chunks = [[s.token_ids[-1]] for s in seqs]
         hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
         tokens = sample_next(self.target.logits(hidden[:, 0]), seqs)
         for seq, token in zip(seqs, tokens):
             seq.commit([token])
-        return [Outcome(0, token) for token in tokens], list(hidden[:, :1])
+        return [Outcome(0, token) for token in tokens], hidden
 
     def verify(self, seqs: list[Sequence], draft_tokens: torch.Tensor,
-               draft_probs: torch.Tensor | None) -> tuple[list[Outcome], list[torch.Tensor]]:
+               draft_probs: torch.Tensor | None) -> tuple[list[Outcome], torch.Tensor]:
         """One target pass over [last token, drafts]; commits accepted drafts + bonus. draft_probs
         None means the drafts are point masses (greedy drafts, cheap backup tokens)."""
         B, K = draft_tokens.shape
@@ -95,7 +97,7 @@ class Verifier:
         for seq, drafted, outcome in zip(seqs, drafts, outcomes):
             seq.commit(drafted[:outcome.accepted_len] + [outcome.bonus_token])
             seq.stats.acceptance_lengths.append(outcome.accepted_len + 1)
-        return outcomes, [hidden[i, :o.accepted_len + 1] for i, o in enumerate(outcomes)]
+        return outcomes, hidden
 
     def _rows(self, seqs: list[Sequence]) -> list[int]:
         return self.rows[[s.seq_id for s in seqs]]
