@@ -111,9 +111,8 @@ def test_backup_time_is_measured_only_on_rounds_that_ran_a_backup():
     from saguaro.speculation.remote.proposer import RemoteProposer, SSDStats
 
     decoder = SimpleNamespace(stats=SSDStats())
-    seq = SimpleNamespace(stats=SimpleNamespace(cache_hits=[]))
     for looked, backup_s in ((True, 0.0001), (False, 0.012), (True, 0.0001)):
         spec = Speculation([RequestSpeculation([0], hit=False, lookup=looked)], backup_time_s=backup_s)
-        RemoteProposer._record(decoder, [seq], [Outcome(1, 7)], spec, [Outcome(2, 9)], "neural", 0.0, 0.030)
+        RemoteProposer._record(decoder, [Outcome(1, 7)], spec, [Outcome(2, 9)], "neural", 0.0, 0.030)
     assert decoder.stats.backup_s["neural"] == [0.012]
     assert len(decoder.stats.lookup_lengths) == 2 and decoder.stats.miss_lengths["neural"] == [3]

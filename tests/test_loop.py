@@ -142,3 +142,30 @@ def test_speculation_cache_answers_one_outcome_per_round():
     cache.store(8, [(0, 11)], [[1, 2, 3]], None, None)
     cache.drop(8)
     assert cache.take(8, (0, 11)) is None
+
+
+def test_speculation_counters_follow_each_rounds_outcomes():
+    """SD over 64 tiny requests: the engine's vLLM-named counters and each request's acceptance
+    lengths agree with the outcomes the rounds' records carry; an AR round counts no draft."""
+    from drafts import sd_decoder
+    from test_exactness import TINY_K, sampled, tiny_model, tiny_outputs
+
+    decoder = sd_decoder(tiny_model(seed=10, layers=2), tiny_model(seed=11, layers=1), TINY_K)
+    records, step = [], decoder.step
+    decoder.step = lambda seqs: records.append(step(seqs))
+    tiny_outputs(decoder, sampled(1.0, rows=64))
+    outcomes = [o for r in records for o in r.outcomes]
+    counters = decoder.metrics()
+    assert counters["spec_decode_num_rounds"] == len(records)
+    assert counters["spec_decode_num_drafts"] == len(outcomes) and counters["spec_decode_num_draft_tokens"] == \
+        TINY_K * len(outcomes)
+    assert counters["spec_decode_num_accepted_tokens"] == sum(o.accepted_len for o in outcomes) > 0
+    assert counters["spec_decode_num_accepted_tokens_per_pos"] == \
+        [sum(o.accepted_len > i for o in outcomes) for i in range(TINY_K)]
+    lengths = [n for r in records for n in [o.accepted_len + 1 for o in r.outcomes]]
+    seqs = {id(s): s for r in records for s in r.seqs}.values()
+    assert sorted(n for s in seqs for n in s.stats.acceptance_lengths) == sorted(lengths)
+    ar = sd_decoder(tiny_model(seed=10, layers=2), tiny_model(seed=11, layers=1), TINY_K)
+    ar.policy.choice = type(ar.policy.choice)()  # every round AR
+    tiny_outputs(ar, sampled(1.0, rows=4))
+    assert ar.metrics()["spec_decode_num_rounds"] > 0 and ar.metrics()["spec_decode_num_drafts"] == 0

@@ -174,7 +174,8 @@ def test_models_health_and_metrics(client, ar_server, http):
     assert metric(ar_server.url, "generation_tokens_total") == before + 3
     text = http.get("/metrics").text
     for name in ("requests_total", "generation_tokens_per_second", "requests_waiting", "requests_running",
-                 "batch_size_sum", "acceptance_length_mean", "speculation_cache_hit_rate"):
+                 "batch_size_sum", "acceptance_length_mean", "speculation_cache_hit_rate", "spec_decode_num_drafts_total",
+                 "spec_decode_num_accepted_tokens_per_pos_total"):
         assert f"# TYPE saguaro_{name} " in text
 
 

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from saguaro.engine.sequence import Sequence
+from saguaro.engine.metrics import SpecDecodeCounters
 from saguaro.engine.proposal import Outcome, Proposal
 from saguaro.engine.verifier import Verifier
 
@@ -132,6 +133,7 @@ class Decoder:
         self.shape = (0, 0)  # rows and slots reserved, which a proposer gets when first chosen
         self.reserved: list[Proposer] = []  # proposers that have run rounds, in the order they came
         self.current: Proposer | None = None  # the last round's proposer
+        self.counters = SpecDecodeCounters()
 
     @property
     def num_speculative_tokens(self) -> int | None:
@@ -185,6 +187,7 @@ class Decoder:
             ran = [hidden[i, :outcome.accepted_len + 1] for i, outcome in enumerate(outcomes)]
             for reader in readers:
                 reader.keep_hidden(seqs, ran)
+        self.counters.observe(record)
         if proposal is not None:
             proposer.observe(record)
         self.policy.observe(record)
@@ -198,8 +201,9 @@ class Decoder:
             proposer.release(seq_ids)
 
     def metrics(self) -> dict:
-        """Engine-wide figures: the prefix cache's, the proposers' and the policy's."""
-        figures = {}
+        """Engine-wide figures: the rounds' counters, the prefix cache's, the proposers' and the
+        policy's."""
+        figures = self.counters.summary()
         for proposer in self.policy.proposers():
             figures.update(proposer.metrics())
         return {**figures, **self.verifier.metrics(), **self.policy.metrics()}

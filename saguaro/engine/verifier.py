@@ -96,7 +96,6 @@ class Verifier:
             outcomes = [Outcome(*o) for o in zip(accepted_len.tolist(), bonus.tolist())]
         for seq, drafted, outcome in zip(seqs, drafts, outcomes):
             seq.commit(drafted[:outcome.accepted_len] + [outcome.bonus_token])
-            seq.stats.acceptance_lengths.append(outcome.accepted_len + 1)
         return outcomes, hidden
 
     def _rows(self, seqs: list[Sequence]) -> list[int]:

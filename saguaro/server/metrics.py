@@ -1,4 +1,5 @@
-"""/metrics in the Prometheus text format, from the scheduler's counters."""
+"""/metrics in the Prometheus text format, from the scheduler's counters and the engine's
+(speculation's are counted round by round, saguaro.engine.metrics, under vLLM's names)."""
 from __future__ import annotations
 
 from saguaro.server.scheduler import TOKENS_PER_S_WINDOW_S, SchedulerStats
@@ -32,16 +33,8 @@ def render(stats: SchedulerStats, errors: dict[int, int], max_batch_size: int, m
     _metric(lines, "max_batch_size", "gauge", "Largest running batch.", [("", max_batch_size)])
     _metric(lines, "max_waiting", "gauge", "Requests that may wait beyond the free batch places.",
             [("", max_waiting)])
-    _metric(lines, "acceptance_length", "summary", "Tokens committed per request per round (SD, SSD).",
-            [("_sum", s.acceptance_length_sum), ("_count", s.acceptance_length_count)])
-    mean = s.acceptance_length_sum / s.acceptance_length_count if s.acceptance_length_count else 0.0
-    _metric(lines, "acceptance_length_mean", "gauge", "Mean acceptance length since start.", [("", mean)])
-    _metric(lines, "speculation_cache_hits_total", "counter", "SSD rounds whose outcome was cached.",
-            [("", s.cache_hits)])
-    _metric(lines, "speculation_cache_lookups_total", "counter", "SSD rounds after each request's first.",
-            [("", s.cache_lookups)])
-    rate = s.cache_hits / s.cache_lookups if s.cache_lookups else 0.0
-    _metric(lines, "speculation_cache_hit_rate", "gauge", "SSD cache hit rate since start.", [("", rate)])
+    if engine and "spec_decode_num_drafts" in engine:
+        _speculation(lines, engine)
     if engine and "draft_losses" in engine:
         _metric(lines, "draft_worker_losses_total", "counter",
                 "SSD draft workers that died or stopped answering (decoding went on without them).",
@@ -63,3 +56,26 @@ def render(stats: SchedulerStats, errors: dict[int, int], max_batch_size: int, m
         _metric(lines, "auto_switches_total", "counter", "method=auto: rounds that changed the choice.",
                 [("", engine["auto_switches"])])
     return "\n".join(lines) + "\n"
+
+
+def _speculation(lines: list[str], engine: dict) -> None:
+    drafts, accepted = engine["spec_decode_num_drafts"], engine["spec_decode_num_accepted_tokens"]
+    _metric(lines, "spec_decode_num_drafts_total", "counter", "Request rounds that verified a proposal (SD, SSD).",
+            [("", drafts)])
+    _metric(lines, "spec_decode_num_draft_tokens_total", "counter", "Tokens proposed.",
+            [("", engine["spec_decode_num_draft_tokens"])])
+    _metric(lines, "spec_decode_num_accepted_tokens_total", "counter", "Proposed tokens the target accepted.",
+            [("", accepted)])
+    _metric(lines, "spec_decode_num_accepted_tokens_per_pos_total", "counter",
+            "Proposed tokens accepted, by their position in the proposal (0: the first).",
+            [(f'{{position="{i}"}}', n) for i, n in enumerate(engine["spec_decode_num_accepted_tokens_per_pos"])])
+    _metric(lines, "acceptance_length", "summary", "Tokens committed per request per round (SD, SSD).",
+            [("_sum", accepted + drafts), ("_count", drafts)])
+    mean = (accepted + drafts) / drafts if drafts else 0.0
+    _metric(lines, "acceptance_length_mean", "gauge", "Mean acceptance length since start.", [("", mean)])
+    hits, lookups = engine["spec_decode_num_cache_hits"], engine["spec_decode_num_cache_lookups"]
+    _metric(lines, "speculation_cache_hits_total", "counter", "SSD rounds whose outcome was cached.", [("", hits)])
+    _metric(lines, "speculation_cache_lookups_total", "counter", "SSD rounds after each request's first.",
+            [("", lookups)])
+    _metric(lines, "speculation_cache_hit_rate", "gauge", "SSD cache hit rate since start.",
+            [("", hits / lookups if lookups else 0.0)])

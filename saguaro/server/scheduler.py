@@ -69,10 +69,6 @@ class SchedulerStats:
     generation_tokens: int = 0
     rounds: int = 0  # decoding rounds of the running batch (prefills not counted)
     batch_size_sum: int = 0  # running requests, summed over rounds
-    acceptance_length_sum: int = 0  # SD/SSD: committed tokens per request-round
-    acceptance_length_count: int = 0
-    cache_hits: int = 0  # SSD
-    cache_lookups: int = 0
     running: int = 0
     waiting: int = 0
     tokens_per_s: float = 0.0  # generated tokens over the last TOKENS_PER_S_WINDOW_S
@@ -83,9 +79,7 @@ class _Tracked:
     """A request the engine holds (waiting or running), and what of it the stats have counted."""
     request: Request
     seq: Sequence
-    tokens_counted: int = 0  # output tokens, acceptance lengths and cache hits already in the stats
-    rounds_counted: int = 0
-    hits_counted: int = 0
+    tokens_counted: int = 0  # output tokens already in the stats
 
 
 class Scheduler:
@@ -256,16 +250,8 @@ class Scheduler:
         with self._lock:
             s, new_tokens = self._stats, 0
             for r in took_part:
-                st = r.seq.stats
-                lengths = st.acceptance_lengths[r.rounds_counted:]
-                hits = st.cache_hits[r.hits_counted:]
                 new_tokens += len(r.seq.output_ids) - r.tokens_counted
-                s.acceptance_length_sum += sum(lengths)
-                s.acceptance_length_count += len(lengths)
-                s.cache_hits += sum(hits)
-                s.cache_lookups += len(hits)
-                r.tokens_counted, r.rounds_counted, r.hits_counted = (
-                    len(r.seq.output_ids), len(st.acceptance_lengths), len(st.cache_hits))
+                r.tokens_counted = len(r.seq.output_ids)
             s.generation_tokens += new_tokens
             self._recent.append((time.perf_counter(), new_tokens))
             self._forget_old_rounds()

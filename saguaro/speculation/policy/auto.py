@@ -87,8 +87,7 @@ class RowCosts:
     interpolated linearly between them, flat below the smallest and proportional above the
     largest (a pass never costs less than a smaller one). The first pass at a row count is a
     warm-up and is not counted: a process's first passes run several times slower, and a cost
-    measured then would keep auto off that choice for good (a one-request chat: 114 tok/s under
-    auto against 160 for AR, from one cold AR round)."""
+    measured then would keep auto off that choice for good."""
 
     def __init__(self):
         self.rows: list[int] = []
@@ -182,7 +181,7 @@ class Controller:
     def expected_tokens(self, k: int) -> float:
         """E_k over the draft model's and prompt lookup's proposals in their shares, from a table
         rebuilt only when a verification changed the acceptance: every round reads it for each
-        choice, and at batch 4 the controller's Python was 2% of auto's time."""
+        choice."""
         if self.sampling not in self._expected:
             share, table = self.looked_up(), [1.0]
             model, lookup = self.acceptance(), self.acceptance(lookup=True)
@@ -219,9 +218,8 @@ class Controller:
         are measured: what a worker on this machine's own cores must promise before it starts (it
         takes a core from the target while it loads, for seconds). Until SSD has run, its pass is
         taken to slow in proportion to the cores it loses, not by the square root the choice
-        itself assumes. On two cores that prior let a worker start in one bench run, SSD then
-        lost its 8-round stint, and auto's AR-only batches ran at 0.66-0.78x the AR engine's,
-        most likely while the worker loaded on the target's second core."""
+        itself assumes: a worker started in vain costs the target a core while it loads, so the
+        bar to start one is set higher than the bar to choose SSD once it runs."""
         target, step = self.target(batch * (self.max_k + 1)), self.draft_step(batch)
         if sum(self.tried) < MIN_VERIFIED_BEFORE_SSD or target is None or step is None:
             return False
@@ -269,9 +267,8 @@ class Controller:
         """AR and the largest K run first, so both costs are measured; then the best rate,
         after one try of any untried choice the model rates close to it. can_try: whether a try
         (of an untried or a stale choice) may run now; not while the batch holds requests whose
-        prompts the draft has not run, which a try would first prefill. At batch 4 on HumanEval,
-        where AR was best, batches with such a try of K = 1 took 1.04-1.10x the AR engine's time,
-        batches without one 0.98-1.03x."""
+        prompts the draft has not run, which a try would first prefill: the try would then be
+        charged the price of entry of every request in the batch, and cost more than it learns."""
         if self.target(batch) is None:
             return self._pick(0)
         if not self.draft_step.rows:
@@ -312,18 +309,15 @@ class Controller:
                committed: int, draft_prefill_s: float = 0.0, steady_rows: int | None = None,
                lookup_lens: list[int] = ()) -> None:
         """One AR or SD round: its passes' times, the accepted drafts of each sequence the draft
-        model drafted for and (lookup_lens) of each prompt lookup proposed for, kept apart (12
-        greedy HumanEval requests: the model's tokens accepted 0.47 0.40 0.36 0.33 0.37 by
-        position, both together 0.52 0.52 0.72 0.72 0.82, which made auto prefer K = 3 to 5 where
-        K = 2 ran fastest), the tokens it committed, and the time the drafter took first to run
-        the prompts it had not seen: SD's
-        price of entry for new requests, charged to the round's rate and not to the draft step.
+        model drafted for and (lookup_lens) of each prompt lookup proposed for, kept apart
+        (lookups are accepted far more often on code; mixed, they would make a deep K look good
+        for the model's own tokens), the tokens it committed, and the time the drafter took first
+        to run the prompts it had not seen: SD's price of entry for new requests, charged to the
+        round's rate and not to the draft step.
         steady_rows: the sequences the draft model drafted one step at a time (None: all), whose
         K steps draft_s then times; none where the draft first ran the tokens of a stretch
-        without it (after AR rounds, a step read 5.3 ms against 0.4, and auto kept off SD for the
-        rest of a 250-token chat). Prompt lookup's sequences cost no step; counting only rounds
-        where it proposed for none kept a fresh process on K_max for 12 rounds at batch 4 on
-        HumanEval (0.57x AR's rate each), waiting for its first step cost."""
+        without it (catching up on AR rounds is not what a step costs). Prompt lookup's
+        sequences cost no step, so a round where it proposed for some still times the others'."""
         self.target.add(batch * (k + 1), target_s)
         if k and steady_rows != 0:
             self.draft_step.add(batch if steady_rows is None else steady_rows, draft_s / k)
@@ -403,9 +397,7 @@ class Controller:
 
 def read_profile(path: Path) -> dict | None:
     """The profile an earlier process left (None: none, or one this version cannot read). A
-    fresh process otherwise spends its first rounds measuring what the last one knew: a fresh
-    server's first 8 chat requests of 64 tokens spent 29 of 500 rounds on K = 1 to 5 against
-    ShareGPT text where AR was the best choice."""
+    fresh process otherwise spends its first rounds measuring what the last one knew."""
     try:
         profile = json.loads(path.read_text())
         Controller(1).start_from(profile)  # the shape is checked on a throwaway controller
@@ -469,8 +461,7 @@ class AutoPolicy:
 
     def _start_ssd(self) -> None:
         """Starts SSD's worker. While it loads on one of the target's cores, the target keeps off
-        that core: its threads would each wait for the one sharing it (on 2 cores a one-request
-        chat decoded at a fifth of AR's rate)."""
+        that core: its threads would each wait for the one sharing it."""
         self.ssd_starting, self.launcher = self.launcher.start(), None
         self.worker_loading = self.cores.ssd != self.cores.all
         if self.worker_loading:

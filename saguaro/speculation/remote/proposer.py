@@ -42,7 +42,7 @@ class SSDStats:
     backup_s: dict[str, list[float]] = field(  # worker time on misses, per round with one
         default_factory=lambda: {"neural": [], "fast": []})
     t_p: list[float] = field(default_factory=list)
-    shared_hits: int = 0  # hits on a branch another request drafted (speculation/cache.py)
+    shared_hits: int = 0  # hits on a branch another request drafted (worker/cache.py)
     drafted_tokens: int = 0  # draft tokens the worker decoded (its tree and neural backups)
     committed_tokens: int = 0  # tokens SSD rounds committed
 
@@ -151,7 +151,7 @@ class RemoteProposer:
     def observe(self, record: RoundRecord) -> None:
         spec, backup, previous, wait_s = self._sent
         self._sent = None
-        self._record(record.seqs, previous, spec, record.outcomes, backup, wait_s, record.verify_s)
+        self._record(previous, spec, record.outcomes, backup, wait_s, record.verify_s)
         for seq, outcome in zip(record.seqs, record.outcomes):
             self.outcomes[seq.seq_id] = outcome
         self._rounds += 1
@@ -200,8 +200,8 @@ class RemoteProposer:
             return probs
         return scatter_to_vocab(probs, self.draft_head_ids, self.vocab_size)
 
-    def _record(self, seqs: list[Sequence], previous: list[Outcome | None], spec: Speculation,
-                outcomes: list[Outcome], backup: Backup, wait_s: float, verify_s: float) -> None:
+    def _record(self, previous: list[Outcome | None], spec: Speculation, outcomes: list[Outcome], backup: Backup,
+                wait_s: float, verify_s: float) -> None:
         stats = self.stats
         if stats.verify_s and spec.fill_time_s > 0:
             stats.fill_s.append(spec.fill_time_s)
@@ -213,10 +213,9 @@ class RemoteProposer:
         stats.committed_tokens += sum(o.accepted_len + 1 for o in outcomes)
         if any(not r.hit and not r.lookup for r in spec.requests):
             stats.backup_s[backup].append(spec.backup_time_s)  # a lookup needs no backup
-        for seq, before, request, outcome in zip(seqs, previous, spec.requests, outcomes):
+        for before, request, outcome in zip(previous, spec.requests, outcomes):
             if before is None or request.hit is None:
-                continue  # a request's first round (or a guess while its worker is lost) cannot hit
-            seq.stats.cache_hits.append(request.hit)
+                continue  # a request's first round cannot hit
             if request.lookup:
                 stats.lookup_lengths.append(outcome.accepted_len + 1)
                 stats.lookup_hits += request.hit
