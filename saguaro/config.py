@@ -27,6 +27,15 @@ class Backup(StrEnum):
 
 
 BACKUPS = tuple(b.value for b in Backup)
+
+
+def checked_fan_out(fan_out: list[int], k: int) -> list[int]:
+    """A fan-out as a list: K+1 counts >= 0 of cached bonus tokens, one per accepted length. The
+    one check, wherever a fan-out is set (the config, a re-plan, the worker's copy)."""
+    fan_out = list(fan_out)
+    if len(fan_out) != k + 1 or min(fan_out) < 0:
+        raise ValueError(f"fan_out needs K+1 = {k + 1} counts >= 0, got {fan_out}")
+    return fan_out
 FAN_OUTS = ("geometric", "uniform")
 
 
@@ -149,9 +158,7 @@ class SpeculativeConfig:
                 raise ValueError(f"fan_out is geometric, uniform or K+1 comma-separated counts, "
                                  f"not {self.fan_out!r}") from None
         if not isinstance(self.fan_out, str):
-            self.fan_out = list(self.fan_out)
-            if len(self.fan_out) != self.num_speculative_tokens + 1 or min(self.fan_out) < 0:
-                raise ValueError(f"fan_out needs K+1 = {self.num_speculative_tokens + 1} counts >= 0")
+            self.fan_out = checked_fan_out(self.fan_out, self.num_speculative_tokens)
 
     @classmethod
     def of(cls, config: SpeculativeConfig | dict | None = None, **overrides) -> SpeculativeConfig:

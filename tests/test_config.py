@@ -116,3 +116,10 @@ def test_bad_values_are_refused_with_a_message(bad, message):
 def test_cli_rejects_an_unknown_method():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "hi", "--method", "magic"])
+
+
+@pytest.mark.parametrize("fan_out", [[1, 1], [1, 1, 1, 1], [1, -1, 1], "1,1"])
+def test_a_fan_out_of_the_wrong_length_or_with_negative_counts_is_refused(fan_out):
+    with pytest.raises(ValueError, match="K\\+1 = 3"):
+        SpeculativeConfig(num_speculative_tokens=2, fan_out=fan_out)
+    assert SpeculativeConfig(num_speculative_tokens=2, fan_out="2,1,0").fan_out == [2, 1, 0]  # control

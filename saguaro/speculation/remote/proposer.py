@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.config import Backup
+from saguaro.config import Backup, checked_fan_out
 from saguaro.engine.proposal import Outcome, Proposal
 from saguaro.engine.round import RoundRecord
 from saguaro.engine.sequence import Sequence
@@ -104,9 +104,7 @@ class RemoteProposer:
 
     def set_fan_out(self, fan_out: list[int]) -> None:
         """Re-plans the branches per accepted length; the workers get it with the next request."""
-        if len(fan_out) != self.k + 1:
-            raise ValueError(f"fan_out needs K+1 = {self.k + 1} entries")
-        self.fan_out = self._new_fan_out = list(fan_out)
+        self.fan_out = self._new_fan_out = checked_fan_out(fan_out, self.k)
 
     def reserve(self, num_rows: int, num_slots: int) -> None:
         self.pool.reserve(num_slots - 1, num_rows)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.config import Backup
+from saguaro.config import Backup, checked_fan_out
 from saguaro.engine.proposal import Outcome
 from saguaro.engine.runner import forward_chunks, last_hidden
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
@@ -90,9 +90,7 @@ class Speculator:
         return self.drafter.model
 
     def set_fan_out(self, fan_out: list[int]) -> None:
-        if len(fan_out) != self.k + 1:
-            raise ValueError(f"fan_out needs K+1 = {self.k + 1} entries, got {len(fan_out)}")
-        self.fan_out = list(fan_out)
+        self.fan_out = checked_fan_out(fan_out, self.k)
         if self.drafter.kv_cache is not None:
             self.reserve(self.drafter.kv_cache.num_rows, self.max_len)
 
