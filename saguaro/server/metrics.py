@@ -1,5 +1,5 @@
 """/metrics in the Prometheus text format, from the scheduler's counters and the engine's
-(speculation's are counted round by round, saguaro.engine.metrics, under vLLM's names)."""
+(speculation's are counted round by round, saguaro.engine.round, under vLLM's names)."""
 from __future__ import annotations
 
 from saguaro.server.scheduler import TOKENS_PER_S_WINDOW_S, SchedulerStats
