@@ -46,9 +46,11 @@ def ssd_of(decoder: Decoder) -> RemoteProposer:
 class InProcessDraft:
     """A DraftClient stand-in that runs the worker's DraftServer in this process."""
 
-    def __init__(self, config: WorkerConfig, embeddings: torch.Tensor | None):
-        self.config = config
-        self.server = DraftServer(Hello(config.draft, embeddings), config.draft.speculative.draft_device)
+    def __init__(self, config: WorkerConfig, embeddings: torch.Tensor | None, target_device: str = "cpu",
+                 incarnation: int = 0):
+        # the signature of DraftClient's, so that the pool's restart can start one (test_ssd.py)
+        self.config, self.embeddings, self.target_device, self.incarnation = config, embeddings, target_device, incarnation
+        self.server = DraftServer(Hello(config.draft, embeddings, incarnation), config.draft.speculative.draft_device)
         self.ready = self.server.ready
         self.alive = True
 

@@ -107,3 +107,4 @@ class MisreportedProposal:
     @property
     def mean_tv(self) -> float:
         return torch.cat(self.tvs).mean().item()
+

@@ -313,3 +313,13 @@ def test_sd_decoder_check_catches_a_bias_of_two_percent(target, monkeypatch):
     monkeypatch.setattr(verification, "verify", rule)
     assert sd_pvalue(target, sharpened_target(), sampled(1.0)) < ALPHA
     assert 0.015 < rule.mean_tv < 0.03
+
+
+def test_sd_decoder_is_exact_when_every_draft_is_accepted(target):
+    """The target as its own draft: every round ends in the bonus after K accepted drafts."""
+    assert sd_pvalue(target, tiny_model(seed=10, layers=2), sampled(1.0, rows=4_000)) > ALPHA
+
+
+def test_sd_decoder_check_catches_a_bonus_from_the_residual_after_full_acceptance(target, monkeypatch):
+    monkeypatch.setattr(verification, "verify", bonus_from_residual)
+    assert sd_pvalue(target, tiny_model(seed=10, layers=2), sampled(1.0, rows=4_000)) < ALPHA

@@ -35,9 +35,12 @@ from saguaro.speculation.remote.client import DraftClient
 from saguaro.speculation.worker.speculator import saguaro_sigma
 from saguaro.speculation.protocol import SparseProbs, dense_probs
 from saguaro.speculation.remote import proposer as remote_proposer
+from saguaro.speculation.local import drafters
+from saguaro.speculation.worker.cache import SpeculationCache
+from saguaro.engine.sampler import uniforms
 from saguaro.speculation.remote.proposer import SSDStats
 from stats import MisreportedProposal, ks_pvalue, sharpen, teacher_forced_pit
-from test_exactness import ALPHA, PROMPT, REDUCED_HEAD, TINY_V, residual_is_p, tiny_model
+from test_exactness import ALPHA, PROMPT, REDUCED_HEAD, TINY_V, bonus_from_residual, residual_is_p, tiny_model
 
 ROWS = 4_000
 SSD_K = 1  # with 3 new tokens, a first-round rejection leaves a second round to the tested path
@@ -52,7 +55,14 @@ PATHS = {  # name: (fan_out, backup, saguaro_c, prompt_lookup)
     "miss-neural": (NO_CANDIDATES, "neural", 1.0, None),
     "miss-fast": (NO_CANDIDATES, "fast", 1.0, None),
     "lookup": (NO_CANDIDATES, "neural", 1.0, 1),  # a one-token match is common with 8 tokens
+    # Saguaro sampling that moves the proposal: C = 0.1 on the top 2 of 8 tokens (with all 7
+    # candidates cached, sigma is nearly q); hits and neural backups mix
+    "mixed-c0.1": ([2, TINY_V - 1], "neural", 0.1, None),
+    "lookup-hit": (ALL_CANDIDATES, "neural", 1.0, 1),  # a lookup replaces a cache hit
 }
+# K = 3 (the fan-out's length less one), outside the parametrized paths above
+K3_PATHS = {"miss-neural-k3": ([0] * 4, "neural", 1.0, None)}
+K3_NEW = 1 + 2 * 4  # the first round's neural draft, then a hit's
 
 
 @pytest.fixture(scope="module")
@@ -94,17 +104,28 @@ def decode_all(decoder, seqs: list[Sequence]) -> None:
         decoder.release([s for s in active if s.finished])
 
 
-def ssd_pvalue(target, draft_dir, temperature: float, path: str, proposal_top: int = 64) -> tuple[float, Decoder]:
-    """The KS p-value of ROWS continuations decoded in-process along `path` (tests/stats.py)."""
-    fan_out, backup, c, prompt_lookup = PATHS[path]
-    client = InProcessDraft(worker_config(str(draft_dir), "float32", SSD_K, fan_out, c, prompt_lookup=prompt_lookup,
-                                          proposal_top=proposal_top), None)
+def ssd_pvalue(target, draft_dir, temperature: float, path: str, proposal_top: int = 64, rows: int = ROWS,
+               new: int = NEW, options: list[dict] | None = None, step=None) -> tuple[float, Decoder]:
+    """The KS p-value of `rows` continuations of `new` tokens decoded in-process along `path`
+    (tests/stats.py); K is the fan-out's length less one. Row i samples with options[i % len]
+    (top_k, top_p) besides the temperature; step(decoder, seqs) runs each round if given."""
+    fan_out, backup, c, prompt_lookup = PATHS[path] if path in PATHS else K3_PATHS[path]
+    client = InProcessDraft(worker_config(str(draft_dir), "float32", len(fan_out) - 1, fan_out, c,
+                                          prompt_lookup=prompt_lookup, proposal_top=proposal_top), None)
     decoder = ssd_decoder(target, client, backup)
-    params = [SamplingParams(temperature=temperature, max_tokens=NEW, seed=i) for i in range(ROWS)]
+    options = options or [{}]
+    params = [SamplingParams(temperature=temperature, max_tokens=new, seed=i, **options[i % len(options)])
+              for i in range(rows)]
     seqs = [Sequence(i, PROMPT, p, []) for i, p in enumerate(params)]
-    decoder.reserve(ROWS, len(PROMPT) + NEW + decoder.lookahead)
-    decode_all(decoder, seqs)
-    pits = teacher_forced_pit(target, [PROMPT] * ROWS, [s.output_ids for s in seqs], params)
+    decoder.reserve(rows, len(PROMPT) + new + decoder.lookahead)
+    if step is None:
+        decode_all(decoder, seqs)
+    else:
+        decoder.prefill(seqs)
+        while active := [s for s in seqs if not s.finished]:
+            step(decoder, active)
+            decoder.release([s for s in active if s.finished])
+    pits = teacher_forced_pit(target, [PROMPT] * rows, [s.output_ids for s in seqs], params)
     return ks_pvalue(pits), decoder
 
 
@@ -117,6 +138,10 @@ def test_ssd_is_exact_on_every_path(tiny_target, tiny_draft_dir, path, temperatu
     misses = stats.miss_lengths[PATHS[path][1]]
     if path == "lookup":
         assert len(stats.lookup_lengths) > ROWS // 10 and misses  # lookups and neural drafts mix
+    elif path == "lookup-hit":
+        assert stats.lookup_hits > ROWS // 10  # lookups over cache hits
+    elif path.startswith("mixed"):
+        assert stats.hit_lengths and len(misses) > ROWS // 10
     elif path.startswith("hit"):
         assert len(stats.hit_lengths) > ROWS // 10 and not misses  # the path under test really ran
     else:
@@ -188,6 +213,129 @@ def test_ssd_check_catches_draft_distributions_placed_on_the_wrong_tokens(tiny_t
 
     monkeypatch.setattr(remote_proposer, "scatter_to_vocab", sorted_map)
     pvalue, _ = ssd_pvalue(tiny_target, reduced_draft_dir, 1.0, "hit-c1")
+    assert pvalue < ALPHA
+
+
+# --- bugs the paths above cannot see (issue 34): each path that can, with its control -----------
+
+def sigma_sampled_q_reported(monkeypatch, where: str) -> None:
+    """Broken Saguaro sampling: drafts drawn from sigma but reported as the plain q, in the tree
+    ("tree") or in the neural backup ("backup"); the other one drafts from q and reports it."""
+    shaped = {}
+
+    def plain(self, position, probs, logits):
+        shaped.update(top=self.fan_out[position], c=self.saguaro_c)
+        return speculator.keep_top(probs, self.proposal_top)
+
+    def from_sigma(probs, u):
+        return sample(saguaro_sigma(probs, probs.log(), shaped["top"], shaped["c"]), u)
+
+    monkeypatch.setattr(speculator.Speculator, "_sigma", plain)
+    monkeypatch.setattr(speculator if where == "tree" else drafters, "sample", from_sigma)
+
+
+@pytest.mark.parametrize("where", ["backup"])  # "tree": not caught yet at this size (p = 0.005 at K = 3)
+def test_ssd_check_catches_saguaro_sampling_reported_as_q(tiny_target, tiny_draft_dir, where, monkeypatch):
+    sigma_sampled_q_reported(monkeypatch, where)
+    assert ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "mixed-c0.1")[0] < ALPHA
+
+
+def lookup_keeps_branch_probs(monkeypatch) -> None:
+    """Broken: a lookup replaces a cache hit's tokens, but the branch's distributions are sent."""
+    taken, take, speculate = {}, SpeculationCache.take, speculator.Speculator.speculate
+
+    def recording(self, seq_id, outcome):
+        taken[seq_id] = take(self, seq_id, outcome)
+        return taken[seq_id]
+
+    def keeping(self, seq_ids, outcomes, backup, features=None):
+        taken.clear()
+        replies = speculate(self, seq_ids, outcomes, backup, features)
+        for sid, reply in zip(seq_ids, replies):
+            if reply.lookup and taken.get(sid) is not None:
+                reply.probs = taken[sid].probs
+        return replies
+
+    monkeypatch.setattr(SpeculationCache, "take", recording)
+    monkeypatch.setattr(speculator.Speculator, "speculate", keeping)
+
+
+def test_ssd_check_catches_a_lookup_sent_with_its_hits_distributions(tiny_target, tiny_draft_dir, monkeypatch):
+    lookup_keeps_branch_probs(monkeypatch)
+    assert ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "lookup-hit")[0] < ALPHA
+
+
+TOP_OPTIONS = [{"top_k": 2}, {"top_p": 0.3}]  # what a misreport of the truncation moves the most
+
+
+def test_ssd_neural_backup_is_exact_with_top_k_and_top_p(tiny_target, tiny_draft_dir):
+    pvalue, decoder = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "miss-neural-k3", new=K3_NEW, options=TOP_OPTIONS)
+    assert pvalue > ALPHA
+    assert len(ssd_of(decoder).stats.miss_lengths["neural"]) > ROWS // 10
+
+
+def backup_reports_temperature_only(monkeypatch) -> None:
+    """Broken: the neural backup drafts from the top-k / top-p distribution but reports the
+    softmax at the temperature alone."""
+    draft = drafters.autoregressive_draft
+
+    def misreporting(model, cache, rows, chunks, starts, params, k, u, reshape=None, features=None):
+        reported = []
+
+        def recording(i, q, logits):
+            reported.append(torch.softmax(logits.float() / params.temperature[:, None], -1))
+            return q if reshape is None else reshape(i, q, logits)
+
+        tokens, probs, hidden = draft(model, cache, rows, chunks, starts, params, k, u, recording, features)
+        return tokens, None if probs is None else torch.stack(reported, 1), hidden
+
+    monkeypatch.setattr(drafters, "autoregressive_draft", misreporting)
+
+
+def test_ssd_check_catches_top_k_and_top_p_misreported_by_the_neural_backup(tiny_target, tiny_draft_dir,
+                                                                            monkeypatch):
+    backup_reports_temperature_only(monkeypatch)
+    assert ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "miss-neural-k3", new=K3_NEW, options=TOP_OPTIONS)[0] < ALPHA
+
+
+@pytest.fixture(scope="module")
+def twin_draft_dir(tmp_path_factory):
+    """The target itself as draft: every draft is accepted, every round ends in the bonus after K."""
+    return saved_draft(tmp_path_factory, "twin-draft", tiny_model(seed=10, layers=2))
+
+
+TWIN_NEW = 1 + 2 * (SSD_K + 1)  # the first round's neural draft and bonus, then a hit's
+
+
+def test_ssd_is_exact_when_every_draft_is_accepted(tiny_target, twin_draft_dir):
+    pvalue, decoder = ssd_pvalue(tiny_target, twin_draft_dir, 1.0, "hit-c1", new=TWIN_NEW)
+    assert pvalue > ALPHA
+    assert sum(n == SSD_K + 1 for n in ssd_of(decoder).stats.hit_lengths) > ROWS // 2
+
+
+def test_ssd_check_catches_a_bonus_from_the_residual_after_full_acceptance(tiny_target, twin_draft_dir,
+                                                                          monkeypatch):
+    monkeypatch.setattr(verification, "verify", bonus_from_residual)
+    assert ssd_pvalue(tiny_target, twin_draft_dir, 1.0, "hit-c1", new=TWIN_NEW)[0] < ALPHA
+
+
+# Many rounds per row on a hit every round: what a random number used twice shows up in.
+REUSE_ROWS, REUSE_NEW = 1_000, 40
+
+
+def test_ssd_is_exact_over_many_rounds(tiny_target, tiny_draft_dir):
+    pvalue, decoder = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "hit-c1", rows=REUSE_ROWS, new=REUSE_NEW)
+    assert pvalue > ALPHA
+    assert len(ssd_of(decoder).stats.hit_lengths) > 10 * REUSE_ROWS
+
+
+def test_ssd_check_catches_a_tree_reseeded_every_fill(tiny_target, tiny_draft_dir, monkeypatch):
+    """Broken: each fill draws its tree's uniforms from a generator seeded afresh from the request."""
+    def reseeded(self, seqs, n):
+        return uniforms([torch.Generator().manual_seed(s.seq_id) for s in seqs], n).to(self.draft.device)
+
+    monkeypatch.setattr(speculator.Speculator, "_uniforms", reseeded)
+    pvalue, _ = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "hit-c1", rows=REUSE_ROWS, new=REUSE_NEW)
     assert pvalue < ALPHA
 
 
