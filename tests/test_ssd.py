@@ -540,3 +540,90 @@ def test_ssd_starts_where_cores_cannot_be_pinned(monkeypatch, draft_path):
     finally:
         llm.close()
     assert torch.get_num_threads() == threads
+
+
+def worker_children() -> dict[int, str]:
+    """This process's child processes running a draft worker, by pid, with their state (Z: a
+    zombie, dead but not reaped)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == os.getpid() and (b"saguaro.speculation.worker" in cmdline or state == "Z"):
+            children[int(entry)] = state
+    return children
+
+
+@pytest.mark.parametrize("when", ["importing", "loading"])
+def test_a_replacement_killed_while_it_starts_is_replaced_at_once(with_ssd, llm, draft_path, prompts, monkeypatch,
+                                                                    when):
+    """The worker dies, then its replacement dies while it starts (importing, before it joins;
+    or loading the draft, after the Hello): the engine notices each exit at once, reaps the
+    child and starts another, which serves SSD within seconds, not at the 300 s rendezvous
+    timeout; no zombie stays and the counters agree."""
+    import threading
+
+    from saguaro.speculation.protocol import Channel, Hello
+
+    decoder = real_ssd_decoder(llm, draft_path, "neural")
+    ssd_llm = with_ssd(decoder)
+    pool = ssd_of(decoder).pool
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ssd_llm.generate(prompts[:2], params, use_tqdm=False)
+    hello_sent = threading.Event()
+    send = Channel.send
+
+    def noting_hellos(self, message, timeout_s=None):
+        send(self, message, timeout_s)
+        if isinstance(message, Hello) and message.incarnation == 1:
+            hello_sent.set()
+
+    monkeypatch.setattr(Channel, "send", noting_hellos)
+    first = worker_of(decoder).process
+    replacements = []
+
+    def kill_the_replacement() -> None:
+        """Kills the first worker's replacement as soon as it starts, or once it got its Hello."""
+        end = time.perf_counter() + 60
+        while not (started := set(worker_children()) - {first.pid}) and time.perf_counter() < end:
+            time.sleep(0.005)
+        if started:
+            replacements.append(started.pop())
+            if when == "loading":
+                hello_sent.wait(timeout=60)
+            os.kill(replacements[0], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_replacement)
+    killer.start()
+    first.kill()
+    killed = time.perf_counter()
+    deadline = killed + 60
+    with pytest.warns(RuntimeWarning, match="draft worker lost"):
+        ssd_llm.generate(prompts[:1], params, use_tqdm=False)  # notices the loss; the replacement starts
+    killer.join()
+    assert replacements, "no replacement was started"
+    second = replacements[0]
+    if when == "loading":
+        assert hello_sent.is_set(), "the replacement never got its Hello"
+    while not pool.live and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    took = time.perf_counter() - killed
+    print(f"a third worker serves {took:.1f} s after the first was killed")
+    assert pool.live, "no worker serves SSD 60 s after the loss"
+    third = worker_of(decoder).process
+    assert third.pid not in (first.pid, second)
+    assert took < 30, f"a third worker serves only {took:.1f} s after the first was killed"
+    before = ssd_llm.metrics()
+    ssd_llm.generate(prompts[2:4], params, use_tqdm=False)
+    after = ssd_llm.metrics()
+    assert after["cache_hits"] > before["cache_hits"]  # SSD resumed
+    assert after["draft_losses"] == after["draft_restarts"] == 1
+    assert worker_children() == {third.pid: worker_children()[third.pid]} and "Z" not in worker_children().values()

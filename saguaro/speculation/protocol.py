@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime
 import pickle
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +143,9 @@ def route_address(host: str, port: int) -> str:
         return probe.getsockname()[0]
 
 
+JOINED = "saguaro/joined"  # the store key a worker sets before it builds the group
+
+
 class Channel:
     """Sends and receives pickled messages between rank 0 and rank 1."""
 
@@ -159,7 +164,15 @@ class Channel:
     def port(self) -> int:
         return self.store.port
 
-    def connect(self) -> "Channel":
+    def connect(self, alive: Callable[[], bool] | None = None) -> "Channel":
+        """alive (rank 0): whether the peer is still there to join, asked while it is awaited,
+        so that a local worker that dies before it joins is noticed at once, not at the timeout
+        (building the group cannot be interrupted, so rank 0 waits for the key the peer sets
+        just before it builds its side)."""
+        if self.rank == 1:
+            self.store.set(JOINED, "1")
+        else:
+            self._await_peer(alive)
         if self.device.type == "cuda":
             self.group = dist.ProcessGroupNCCL(self.store, self.rank, 2)
         else:
@@ -170,6 +183,15 @@ class Channel:
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=route_address(self.host, self.port))]
             self.group = dist.ProcessGroupGloo(self.store, self.rank, 2, options)
         return self
+
+    def _await_peer(self, alive: Callable[[], bool] | None) -> None:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self.store.check([JOINED]):
+            if alive is not None and not alive():
+                raise DraftUnavailable("the draft worker exited before it joined")
+            if time.monotonic() > deadline:
+                raise DraftUnavailable(f"no draft worker joined within {self.timeout.total_seconds():.0f} s")
+            time.sleep(0.02)
 
     def send(self, message, timeout_s: float | None = None) -> None:
         """A send completes once the peer receives it: a peer that stopped would block it for

@@ -72,11 +72,16 @@ class DraftClient:
         self.fill_s: deque[float] = deque(maxlen=32)  # recent cache fills, which a Release or Prefill may wait out
         self.unseen_tokens = 0  # prompt tokens sent since the last reply: prefill work the worker has
         try:
-            self.channel.connect()
+            # A local worker that dies before it joins is noticed by polling it; one that dies
+            # afterwards, by gloo (its connection closes).
+            self.channel.connect(alive=None if self.process is None else lambda: self.process.poll() is None)
             self.channel.send(Hello(config.draft, embeddings, incarnation), config.startup_timeout_s)
             self.ready: Ready = self.channel.recv(timeout_s=config.startup_timeout_s)
-        except Exception:
-            self.abandon()
+        except Exception as e:
+            self.abandon()  # kills and reaps a local worker
+            if self.process is not None and isinstance(e, DraftUnavailable):
+                raise DraftUnavailable(f"the draft worker exited with code {self.process.returncode} while "
+                                       f"starting ({e})") from e
             raise
         self.alive = True
 
