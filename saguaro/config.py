@@ -40,11 +40,12 @@ FAN_OUTS = ("geometric", "uniform")
 
 
 def _option(default, help: str, *flags: str, group: str = "speculation", described: str | None = None,
-            **argparse_kwargs):
+            shown: bool = True, **argparse_kwargs):
     """A field with its command-line option: flags (default: --the-field-name), its group, and
-    how the help describes its default (default: the value)."""
-    return field(default=default, metadata={"help": help, "flags": flags, "group": group, "described": described,
-                                            **argparse_kwargs})
+    how the help describes its default (default: the value). shown=False: left out of repr."""
+    return field(default=default, repr=shown, metadata={"help": help, "flags": flags, "group": group,
+                                                         "described": described,
+                                                         **argparse_kwargs})
 
 
 @dataclass
@@ -134,6 +135,10 @@ class SpeculativeConfig:
     share_window: int = _option(0, "a request whose speculation missed may take a branch another request "
                                    "drafted but did not use, after text ending in the same N tokens (exact: a "
                                    "proposal is verified as drafted); 0: off", group="ssd", metavar="N")
+    draft_secret: str | None = _option(None, "the secret a worker attached by --draft-address must know "
+                                              "(required there; prefer the environment variable, which other "
+                                              "users cannot read with ps); a local worker gets a random one",
+                                       group="ssd", described="$SAGUARO_DRAFT_SECRET", shown=False)
 
     def __post_init__(self):
         if self.method not in METHODS:

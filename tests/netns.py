@@ -5,6 +5,7 @@ inside the two namespaces, so no traffic leaves them."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
@@ -64,3 +65,28 @@ def two_hosts(subnet: int = 0) -> Iterator[Hosts]:
     finally:
         for ns in (hosts.target_ns, hosts.draft_ns):  # deleting a namespace deletes its veth end
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """The addresses this process's listening TCP sockets are bound to (IPv4 and IPv6), read
+    from /proc: its socket inodes, matched against the namespace's tables."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = set()
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                raw = bytes.fromhex(cols[1].split(":")[0])
+                # /proc writes each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+                found.add(str(ipaddress.ip_address(raw)))
+    return found

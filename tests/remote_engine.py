@@ -5,6 +5,7 @@ JSON. tests/test_ssd.py runs it in one network namespace, the worker in another.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 
@@ -19,6 +20,7 @@ from saguaro.speculation.protocol import DraftSpec
 from saguaro.speculation.remote.client import DraftClient, WorkerConfig
 
 from drafts import ssd_decoder, ssd_of
+from netns import listening_addresses
 
 NEW_TOKENS = 8
 
@@ -41,10 +43,12 @@ def main(target_dir: str, draft_dir: str, address: str, prompts_json: str) -> No
     ssd = ssd_decoder(target, client, backup="neural")
     try:
         got = greedy(ssd, prompts)
+        listening = sorted(listening_addresses(os.getpid()))  # the rendezvous store's and gloo's
         stats = ssd_of(ssd).stats
         report = {"ssd": got, "ar": greedy(ar_decoder(target), prompts), "rounds": len(stats.verify_s),
                   "bytes_sent": client.channel.bytes_sent, "bytes_received": client.channel.bytes_received,
-                  "wait_s_median": statistics.median(stats.wait_s), "worker_pid": client.ready.pid}
+                  "wait_s_median": statistics.median(stats.wait_s), "worker_pid": client.ready.pid,
+                  "listening": listening}
     finally:
         ssd.close()
     print(json.dumps(report))

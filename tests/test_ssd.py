@@ -570,8 +570,13 @@ def greedy_tiny(decoder, count: int = 3) -> list[list[int]]:
     return [s.output_ids for s in seqs]
 
 
+SECRET = "a-secret-the-tests-share"  # a worker attached by address needs one
+WITH_SECRET = {**os.environ, "SAGUARO_DRAFT_SECRET": SECRET}
+
+
 def tiny_worker_config(draft_dir, address: str | None = None):
-    return worker_config(str(draft_dir), "float32", 2, [1, 1, 1], address=address, timeout_s=30)
+    return worker_config(str(draft_dir), "float32", 2, [1, 1, 1], address=address, timeout_s=30,
+                         secret=SECRET if address else None)
 
 
 def test_two_engines_share_a_host_and_leave_no_process(tiny_target, tiny_draft_dir):
@@ -594,7 +599,8 @@ def test_a_worker_started_elsewhere_attaches_by_address(tiny_target, tiny_draft_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    worker = subprocess.Popen([sys.executable, "-m", "saguaro.speculation.worker", "--connect", f"127.0.0.1:{port}"])
+    worker = subprocess.Popen([sys.executable, "-m", "saguaro.speculation.worker", "--connect", f"127.0.0.1:{port}"],
+                              env=WITH_SECRET)
     try:
         engine = ssd_decoder(tiny_target, DraftClient(tiny_worker_config(tiny_draft_dir, f"127.0.0.1:{port}"), None))
         assert worker_of(engine).process is None and worker_of(engine).ready.pid == worker.pid
@@ -620,11 +626,12 @@ def test_a_draft_on_another_host_attaches_over_the_network(tmp_path_factory, tin
     with netns.two_hosts() as hosts:
         address = f"{hosts.target_ip}:29511"
         worker = subprocess.Popen(hosts.command(hosts.draft_ns, [sys.executable, "-m", "saguaro.speculation.worker",
-                                                                  "--connect", address, "--timeout", "60"]))
+                                                                  "--connect", address, "--timeout", "60"]),
+                                  env=WITH_SECRET)
         try:
             engine = subprocess.run(hosts.command(hosts.target_ns, [
                 sys.executable, str(Path(__file__).parent / "remote_engine.py"), str(target_dir), str(tiny_draft_dir),
-                address, json.dumps(prompts)]), capture_output=True, text=True, timeout=180)
+                address, json.dumps(prompts)]), capture_output=True, text=True, timeout=180, env=WITH_SECRET)
             assert engine.returncode == 0, engine.stderr[-3000:]
             report = json.loads(engine.stdout.splitlines()[-1])
             assert worker.wait(timeout=30) == 0 and report["worker_pid"] == worker.pid
@@ -633,6 +640,7 @@ def test_a_draft_on_another_host_attaches_over_the_network(tmp_path_factory, tin
             if worker.poll() is None:
                 worker.kill()
     assert report["ssd"] == report["ar"]
+    assert report["listening"] == [hosts.target_ip]  # the named address only, not every interface
     assert report["rounds"] > 0 and report["bytes_sent"] > 0 and report["bytes_received"] > 0
     assert veth_bytes > report["bytes_sent"] + report["bytes_received"]
 
@@ -646,7 +654,7 @@ def test_a_worker_attached_by_address_is_awaited_again_after_a_loss(tiny_target,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     start_worker = lambda: subprocess.Popen([sys.executable, "-m", "saguaro.speculation.worker",  # noqa: E731
-                                             "--connect", f"127.0.0.1:{port}"])
+                                             "--connect", f"127.0.0.1:{port}"], env=WITH_SECRET)
     reference = greedy_tiny(ar_decoder(tiny_target))
     workers = [start_worker()]
     try:
@@ -688,3 +696,142 @@ def test_ssd_starts_where_cores_cannot_be_pinned(monkeypatch, draft_path):
     finally:
         llm.close()
     assert torch.get_num_threads() == threads
+
+
+# --- what the rendezvous exposes -----------------------------------------------------------------
+
+def test_the_rendezvous_and_gloo_listen_only_on_loopback_also_after_a_restart(tiny_target, tiny_draft_dir):
+    """A local worker's TCPStore (no authentication) and gloo's pair sockets, on both sides,
+    listen on 127.0.0.1 only, not on every interface; so does the next worker's."""
+    engine = ssd_decoder(tiny_target, DraftClient(tiny_worker_config(tiny_draft_dir), None))
+    reference = greedy_tiny(ar_decoder(tiny_target))
+    ssd = ssd_of(engine)
+    try:
+        assert greedy_tiny(engine) == reference
+        first = worker_of(engine).process
+        seen = [netns.listening_addresses(os.getpid()), netns.listening_addresses(first.pid)]
+        first.kill()
+        with pytest.warns(RuntimeWarning, match="draft worker lost"):
+            assert greedy_tiny(engine) == reference
+        ssd.pool.lanes[0].restart.result(timeout=120)
+        assert greedy_tiny(engine) == reference and ssd.pool.restarts == 1
+        seen += [netns.listening_addresses(os.getpid()), netns.listening_addresses(worker_of(engine).process.pid)]
+    finally:
+        engine.close()
+    assert seen[0], "the engine's rendezvous port was not found"
+    assert all(addresses <= {"127.0.0.1"} for addresses in seen), f"listening on {seen}"
+
+
+def test_a_worker_without_the_secret_is_refused(tiny_target, tiny_draft_dir):
+    """A stranger who reaches the rendezvous cannot pose as the worker: a worker with a wrong
+    secret (or none) is refused before the engine unpickles anything from it, and says why."""
+    import socket
+    import subprocess
+    import sys
+
+    from saguaro.speculation.protocol import DraftRefused
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "SAGUARO_DRAFT_SECRET"}
+    for secret in ("not-the-secret", None):
+        worker = subprocess.Popen([sys.executable, "-m", "saguaro.speculation.worker", "--connect",
+                                   f"127.0.0.1:{port}", "--timeout", "60"], stderr=subprocess.PIPE, text=True,
+                                  env=env if secret is None else {**env, "SAGUARO_DRAFT_SECRET": secret})
+        try:
+            config = tiny_worker_config(tiny_draft_dir, f"127.0.0.1:{port}")
+            with pytest.raises(DraftRefused, match="secret"):
+                DraftClient(replace(config, secret="the-secret"), None)
+            assert worker.wait(timeout=30) != 0
+            assert "secret" in worker.stderr.read()
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+
+
+def worker_children() -> dict[int, str]:
+    """This process's child processes running a draft worker, by pid, with their state (Z: a
+    zombie, dead but not reaped)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == os.getpid() and (b"saguaro.speculation.worker" in cmdline or state == "Z"):
+            children[int(entry)] = state
+    return children
+
+
+@pytest.mark.parametrize("when", ["importing", "loading"])
+def test_a_replacement_killed_while_it_starts_is_replaced_at_once(with_ssd, llm, draft_path, prompts, monkeypatch,
+                                                                    when):
+    """The worker dies, then its replacement dies while it starts (importing, before it joins;
+    or loading the draft, after the Hello): the engine notices each exit at once, reaps the
+    child and starts another, which serves SSD within seconds, not at the 300 s rendezvous
+    timeout; no zombie stays and the counters agree."""
+    import threading
+
+    from saguaro.speculation.protocol import Channel, Hello
+
+    decoder = real_ssd_decoder(llm, draft_path, "neural")
+    ssd_llm = with_ssd(decoder)
+    pool = ssd_of(decoder).pool
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ssd_llm.generate(prompts[:2], params, use_tqdm=False)
+    hello_sent = threading.Event()
+    send = Channel.send
+
+    def noting_hellos(self, message, timeout_s=None):
+        send(self, message, timeout_s)
+        if isinstance(message, Hello) and message.incarnation == 1:
+            hello_sent.set()
+
+    monkeypatch.setattr(Channel, "send", noting_hellos)
+    first = worker_of(decoder).process
+    replacements = []
+
+    def kill_the_replacement() -> None:
+        """Kills the first worker's replacement as soon as it starts, or once it got its Hello."""
+        end = time.perf_counter() + 60
+        while not (started := set(worker_children()) - {first.pid}) and time.perf_counter() < end:
+            time.sleep(0.005)
+        if started:
+            replacements.append(started.pop())
+            if when == "loading":
+                hello_sent.wait(timeout=60)
+            os.kill(replacements[0], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_replacement)
+    killer.start()
+    first.kill()
+    killed = time.perf_counter()
+    deadline = killed + 60
+    with pytest.warns(RuntimeWarning, match="draft worker lost"):
+        ssd_llm.generate(prompts[:1], params, use_tqdm=False)  # notices the loss; the replacement starts
+    killer.join()
+    assert replacements, "no replacement was started"
+    second = replacements[0]
+    if when == "loading":
+        assert hello_sent.is_set(), "the replacement never got its Hello"
+    while not pool.live and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    took = time.perf_counter() - killed
+    print(f"a third worker serves {took:.1f} s after the first was killed")
+    assert pool.live, "no worker serves SSD 60 s after the loss"
+    third = worker_of(decoder).process
+    assert third.pid not in (first.pid, second)
+    assert took < 30, f"a third worker serves only {took:.1f} s after the first was killed"
+    before = ssd_llm.metrics()
+    ssd_llm.generate(prompts[2:4], params, use_tqdm=False)
+    after = ssd_llm.metrics()
+    assert after["cache_hits"] > before["cache_hits"]  # SSD resumed
+    assert after["draft_losses"] == after["draft_restarts"] == 1
+    assert worker_children() == {third.pid: worker_children()[third.pid]} and "Z" not in worker_children().values()

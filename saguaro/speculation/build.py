@@ -64,9 +64,10 @@ def start_workers(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus:
     prefix cache."""
     fan_out, _ = fan_out_plan(spec)
     addresses = spec.draft_address.split(",") if spec.draft_address else [None] * spec.num_draft_workers
-    configs = [WorkerConfig(DraftSpec(replace(spec, draft=str(path), fan_out=fan_out, draft_address=address),
+    configs = [WorkerConfig(DraftSpec(replace(spec, draft=str(path), fan_out=fan_out, draft_address=address,
+                                              draft_secret=None),  # the Hello carries no secret
                                       str(target.dtype).removeprefix("torch."), prefix_cache_mb, target.quantization),
-                            cpus)
+                            cpus, secret=spec.draft_secret)
                for address in addresses]
     embeddings = target.embed_tokens.weight.detach().cpu()
     with ThreadPoolExecutor(len(configs)) as starting:  # the workers load at once

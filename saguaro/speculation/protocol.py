@@ -10,8 +10,14 @@ committed tokens cross the wire.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import os
 import pickle
+import secrets
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +30,13 @@ from saguaro.engine.sampler import SamplingParams
 
 class DraftUnavailable(RuntimeError):
     """The draft worker died, hung past the timeout or broke the protocol."""
+
+
+class DraftRefused(DraftUnavailable):
+    """The peer did not prove it knows the shared secret (see `Channel.authenticate`)."""
+
+
+SECRET_ENV = "SAGUARO_DRAFT_SECRET"  # the secret engine and worker share (a local worker's: a fresh one)
 
 
 # --- messages --------------------------------------------------------------------------------
@@ -141,6 +154,25 @@ def route_address(host: str, port: int) -> str:
         return probe.getsockname()[0]
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on exactly host:port (port 0: a free one), for the rendezvous store:
+    torch's own listens on every interface, IPv4 and IPv6."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(128)
+    return sock
+
+
+def _proof(secret: str, role: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret.encode(), role + nonce, hashlib.sha256).digest()
+
+
+PROOF_BYTES = 32
+JOINED = "saguaro/joined"  # the store key a worker sets before it builds the group
+
+
 class Channel:
     """Sends and receives pickled messages between rank 0 and rank 1."""
 
@@ -149,7 +181,15 @@ class Channel:
         then blocks until the peer has joined."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.host = host
-        self.store = dist.TCPStore(host, port, 2, rank == 0, timeout=self.timeout, wait_for_workers=False)
+        if rank == 0:
+            # The store (which has no authentication) listens on host alone: a socket bound here
+            # is handed over, which torch's own backend honours (its libuv one binds anew).
+            listener = listening_socket(host, port)
+            port = listener.getsockname()[1]
+            self.store = dist.TCPStore(host, port, 2, True, timeout=self.timeout, wait_for_workers=False,
+                                       master_listen_fd=listener.detach(), use_libuv=False)
+        else:
+            self.store = dist.TCPStore(host, port, 2, False, timeout=self.timeout)
         self.rank, self.peer = rank, 1 - rank
         self.device = torch.device(device)
         self.group = None
@@ -159,7 +199,15 @@ class Channel:
     def port(self) -> int:
         return self.store.port
 
-    def connect(self) -> "Channel":
+    def connect(self, alive: Callable[[], bool] | None = None) -> "Channel":
+        """alive (rank 0): whether the peer is still there to join, asked while it is awaited,
+        so that a local worker that dies before it joins is noticed at once, not at the timeout
+        (building the group cannot be interrupted, so rank 0 waits for the key the peer sets
+        just before it builds its side)."""
+        if self.rank == 1:
+            self.store.set(JOINED, "1")
+        else:
+            self._await_peer(alive)
         if self.device.type == "cuda":
             self.group = dist.ProcessGroupNCCL(self.store, self.rank, 2)
         else:
@@ -170,6 +218,55 @@ class Channel:
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=route_address(self.host, self.port))]
             self.group = dist.ProcessGroupGloo(self.store, self.rank, 2, options)
         return self
+
+    def _await_peer(self, alive: Callable[[], bool] | None) -> None:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self.store.check([JOINED]):
+            if alive is not None and not alive():
+                raise DraftUnavailable("the draft worker exited before it joined")
+            if time.monotonic() > deadline:
+                raise DraftUnavailable(f"no draft worker joined within {self.timeout.total_seconds():.0f} s")
+            time.sleep(0.02)
+
+    def authenticate(self, secret: str) -> None:
+        """Both ends prove they know the shared secret, before either unpickles anything from the
+        other (a pickle can run code): each sends a random nonce and answers the other's with
+        an HMAC of it, so the secret itself never crosses the wire. The engine (rank 0) refuses
+        a worker with a wrong or missing secret; the worker refuses an engine that does not
+        answer its nonce (it may have been refused). Raises DraftRefused."""
+        timeout_s = self.timeout.total_seconds()
+        if self.rank == 0:
+            nonce = secrets.token_bytes(PROOF_BYTES)
+            self._send_raw(nonce, timeout_s)
+            reply = self._recv_raw(2 * PROOF_BYTES, timeout_s)
+            peer_nonce, proof = reply[:PROOF_BYTES], reply[PROOF_BYTES:]
+            if not hmac.compare_digest(proof, _proof(secret, b"worker", nonce)):
+                self._send_raw(bytes(PROOF_BYTES), timeout_s)
+                raise DraftRefused(f"a draft worker with a wrong or missing secret was refused (the worker must "
+                                   f"have the engine's: {SECRET_ENV} or --draft-secret)")
+            self._send_raw(_proof(secret, b"engine", peer_nonce), timeout_s)
+        else:
+            peer_nonce = self._recv_raw(PROOF_BYTES, timeout_s)
+            nonce = os.urandom(PROOF_BYTES)
+            self._send_raw(nonce + _proof(secret, b"worker", peer_nonce), timeout_s)
+            if not hmac.compare_digest(self._recv_raw(PROOF_BYTES, timeout_s), _proof(secret, b"engine", nonce)):
+                raise DraftRefused(f"the engine refused this worker, or does not know its secret: give both the "
+                                   f"same secret ({SECRET_ENV} or --draft-secret)")
+
+    def _send_raw(self, data: bytes, timeout_s: float) -> None:
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        try:
+            self._wait(self.group.send([payload.to(self.device)], self.peer, 2), datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise DraftUnavailable(str(e)) from e
+
+    def _recv_raw(self, size: int, timeout_s: float) -> bytes:
+        payload = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        try:
+            self._wait(self.group.recv([payload], self.peer, 2), datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise DraftUnavailable(str(e)) from e
+        return payload.cpu().numpy().tobytes()
 
     def send(self, message, timeout_s: float | None = None) -> None:
         """A send completes once the peer receives it: a peer that stopped would block it for

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -13,13 +14,13 @@ import warnings
 import weakref
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from saguaro.engine.sampler import SamplingParams
-from saguaro.speculation.protocol import (Channel, DraftSpec, DraftUnavailable, Hello, Prefill, Ready, Release, Shutdown,
-                                          Speculation, SpecRequest)
+from saguaro.speculation.protocol import (SECRET_ENV, Channel, DraftSpec, DraftUnavailable, Hello, Prefill, Ready,
+                                          Release, Shutdown, Speculation, SpecRequest)
 
 MEASURED_ROUNDS = 3  # replies measured before the timeout follows them
 RESTART_BACKOFF_S = (1.0, 60.0)  # first and longest wait between failed restarts
@@ -37,6 +38,9 @@ class WorkerConfig:
     timeout_rounds: float = 4.0
     prefill_s_per_token: float = 0.002  # plus this for each prompt token it has not run yet
     startup_timeout_s: float = 300.0
+    # The secret a worker attached by address must know (default: $SAGUARO_DRAFT_SECRET); a
+    # local worker gets a fresh random one through its environment.
+    secret: str | None = field(default=None, repr=False)
 
 
 def _stop_process(process: subprocess.Popen) -> None:
@@ -57,6 +61,11 @@ class DraftClient:
         device, address = config.draft.speculative.draft_device, config.draft.speculative.draft_address
         nccl = device.startswith("cuda") and str(target_device).startswith("cuda")
         host, port = (address.rsplit(":", 1) if address else ("127.0.0.1", "0"))
+        host = host.strip("[]")  # an IPv6 address: [::1]:PORT
+        secret = secrets.token_urlsafe(32) if address is None else config.secret or os.environ.get(SECRET_ENV)
+        if not secret:
+            raise ValueError(f"a draft worker attached by address needs a shared secret: set {SECRET_ENV} (or "
+                             f"--draft-secret) to the same value for the engine and the worker")
         self.channel = Channel(host, int(port), rank=0, device=str(target_device) if nccl else "cpu",
                                timeout_s=config.startup_timeout_s)
         self.process: subprocess.Popen | None = None
@@ -65,18 +74,25 @@ class DraftClient:
                        f"127.0.0.1:{self.channel.port}", "--device", device]
             if config.cpus:
                 command += ["--cpus", config.cpus]
-            self.process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            # The secret goes through the environment: argv is visible to every user (ps).
+            self.process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: secret})
             self._finalizer = weakref.finalize(self, _stop_process, self.process)
             atexit.register(self._finalizer)
         self.exchange_s: deque[float] = deque(maxlen=32)  # recent request -> reply times
         self.fill_s: deque[float] = deque(maxlen=32)  # recent cache fills, which a Release or Prefill may wait out
         self.unseen_tokens = 0  # prompt tokens sent since the last reply: prefill work the worker has
         try:
-            self.channel.connect()
+            # A local worker that dies before it joins is noticed by polling it; one that dies
+            # afterwards, by gloo (its connection closes).
+            self.channel.connect(alive=None if self.process is None else lambda: self.process.poll() is None)
+            self.channel.authenticate(secret)
             self.channel.send(Hello(config.draft, embeddings, incarnation), config.startup_timeout_s)
             self.ready: Ready = self.channel.recv(timeout_s=config.startup_timeout_s)
-        except Exception:
-            self.abandon()
+        except Exception as e:
+            self.abandon()  # kills and reaps a local worker
+            if self.process is not None and isinstance(e, DraftUnavailable):
+                raise DraftUnavailable(f"the draft worker exited with code {self.process.returncode} while "
+                                       f"starting ({e})") from e
             raise
         self.alive = True
 

@@ -14,7 +14,7 @@ import torch
 from saguaro.models.prefix_cache import new_prefix_cache
 from saguaro.models.loader import is_saguaro_checkpoint, load_checkpoint, load_model, resolve_dtype
 from saguaro.system import use_cores
-from saguaro.speculation.protocol import (Channel, Hello, Prefill, Ready, Release, Shutdown, SparseProbs,
+from saguaro.speculation.protocol import (SECRET_ENV, Channel, DraftRefused, Hello, Prefill, Ready, Release, Shutdown, SparseProbs,
                                           Speculation, SpecRequest)
 from saguaro.speculation.worker.speculator import Speculator
 
@@ -88,12 +88,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpus", default=None, help="CPU cores to pin to, e.g. '1' or '2,3'")
     parser.add_argument("--timeout", type=float, default=7 * 24 * 3600.0,
                         help="seconds to wait for the engine (to connect, and between messages)")
+    parser.add_argument("--draft-secret", default=None,
+                        help=f"the secret the engine was given (default: ${SECRET_ENV}, which, unlike this "
+                             f"option, other users cannot read with ps)")
     args = parser.parse_args(argv)
+    secret = args.draft_secret or os.environ.get(SECRET_ENV, "")
     if args.cpus:
         cores = {int(c) for c in args.cpus.split(",")}
         use_cores(cores, len(cores))
     host, port = args.connect.rsplit(":", 1)
-    channel = Channel(host, int(port), rank=1, device=args.device, timeout_s=args.timeout).connect()
+    channel = Channel(host.strip("[]"), int(port), rank=1, device=args.device, timeout_s=args.timeout).connect()
+    try:
+        channel.authenticate(secret)
+    except DraftRefused as e:
+        raise SystemExit(f"saguaro draft worker: {e}") from None
     serve(channel, args.device)
 
 
