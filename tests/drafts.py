@@ -62,7 +62,7 @@ class InProcessDraft:
         self.server.fill()
         return reply
 
-    def answer(self, reply: Speculation) -> Speculation:
+    def answer(self, reply: Speculation, patient: bool = False) -> Speculation:
         return reply
 
     def release(self, seq_ids: list[int]) -> None:

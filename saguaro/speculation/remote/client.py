@@ -124,8 +124,12 @@ class DraftClient:
         self._send(request, deadline)
         return start, deadline
 
-    def answer(self, asked: tuple[float, float]) -> Speculation:
+    def answer(self, asked: tuple[float, float], patient: bool = False) -> Speculation:
+        """The reply to `ask`. patient: wait as long as for a worker's first replies (a
+        replacement loading beside this worker may slow it for seconds)."""
         start, deadline = asked
+        if patient:
+            deadline = max(deadline, start + self.config.timeout_s)
         try:
             reply = self.channel.recv(timeout_s=max(deadline - time.perf_counter(), 1e-3))
         except DraftUnavailable:

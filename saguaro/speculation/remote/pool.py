@@ -102,7 +102,8 @@ class DraftPool:
         fill_s = backup_s = 0.0
         drafted = 0
         for lane, mine, sent in asked:
-            reply = self._call(lane, lane.client.answer, sent)
+            replacing = any(other.restart is not None for other in self.lanes)
+            reply = self._call(lane, lane.client.answer, sent, replacing)
             if not lane.live:
                 continue
             for sid, request in zip(mine, reply.requests):
