@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from saguaro.engine.sequence import Sequence
 from saguaro.engine.proposal import Outcome, Proposal
+from saguaro.engine.sequence import Sequence
 from saguaro.engine.verifier import Verifier
 
 
