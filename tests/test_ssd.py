@@ -413,8 +413,8 @@ def sharpen_cached_proposals(monkeypatch, power: float) -> None:
     were drawn from q; the target verifies against the wrong distribution."""
     answer = DraftClient.answer
 
-    def misreporting(self, asked):
-        spec = answer(self, asked)
+    def misreporting(self, asked, patient=False):
+        spec = answer(self, asked, patient)
         for request in spec.requests:
             if request.hit and request.probs is not None:
                 request.probs = sharpen(dense_probs(request.probs), power)
