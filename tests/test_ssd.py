@@ -834,4 +834,5 @@ def test_a_replacement_killed_while_it_starts_is_replaced_at_once(with_ssd, llm,
     after = ssd_llm.metrics()
     assert after["cache_hits"] > before["cache_hits"]  # SSD resumed
     assert after["draft_losses"] == after["draft_restarts"] == 1
-    assert worker_children() == {third.pid: worker_children()[third.pid]} and "Z" not in worker_children().values()
+    children = worker_children()  # one snapshot: a live worker's state changes between reads
+    assert set(children) == {third.pid} and "Z" not in children.values()
