@@ -824,7 +824,6 @@ def test_a_replacement_killed_while_it_starts_is_replaced_at_once(with_ssd, llm,
     while not pool.live and time.perf_counter() < deadline:
         time.sleep(0.05)
     took = time.perf_counter() - killed
-    print(f"a third worker serves {took:.1f} s after the first was killed")
     assert pool.live, "no worker serves SSD 60 s after the loss"
     third = worker_of(decoder).process
     assert third.pid not in (first.pid, second)
