@@ -52,14 +52,14 @@ def randomized_pit(probs: torch.Tensor, tokens: torch.Tensor, v: torch.Tensor) -
 
 
 @torch.inference_mode()
-def teacher_forced_pit(model: LlamaModel, prompts: list[list[int]], outputs: list[list[int]],
-                       params: list[SamplingParams], seed: int = 0, rows_per_pass: int = 2048) -> torch.Tensor:
-    """The PIT of every output token under the model's warped conditional distribution given
-    its prompt and the output before it, pooled over all positions of all sampled rows.
-    Greedy rows (point masses) carry no information and are left out."""
-    g = torch.Generator().manual_seed(seed)
+def teacher_forced_probs(model: LlamaModel, prompts: list[list[int]], outputs: list[list[int]],
+                         params: list[SamplingParams], rows_per_pass: int = 2048
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every output token of the sampled rows (greedy rows, point masses, carry no information
+    and are left out) with the model's warped conditional distribution given its prompt and the
+    output before it: (row index [N], token [N], probs [N, V]), row by row in order."""
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    pits = []
+    rows_out, tokens_out, probs_out = [], [], []
     for start in range(0, len(sampled), rows_per_pass):
         batch = sampled[start:start + rows_per_pass]
         chunks = [prompts[i] + outputs[i][:-1] for i in batch]
@@ -69,9 +69,42 @@ def teacher_forced_pit(model: LlamaModel, prompts: list[list[int]], outputs: lis
         rows, positions = torch.tensor(index).T
         logits = model.logits(hidden[rows, positions])
         warp_params = WarpParams.of([params[batch[r]] for r in rows.tolist()], logits.device)
-        tokens = torch.tensor([t for i in batch for t in outputs[i]])
-        pits.append(randomized_pit(warp(logits, warp_params), tokens, torch.rand(len(tokens), generator=g)))
-    return torch.cat(pits)
+        rows_out.append(torch.tensor(batch)[rows])
+        tokens_out.append(torch.tensor([t for i in batch for t in outputs[i]]))
+        probs_out.append(warp(logits, warp_params))
+    return torch.cat(rows_out), torch.cat(tokens_out), torch.cat(probs_out)
+
+
+def teacher_forced_pit(model: LlamaModel, prompts: list[list[int]], outputs: list[list[int]],
+                       params: list[SamplingParams], seed: int = 0) -> torch.Tensor:
+    """The PIT of every output token under the model's warped conditional distribution given
+    its prompt and the output before it, pooled over all positions of all sampled rows."""
+    _, tokens, probs = teacher_forced_probs(model, prompts, outputs, params)
+    v = torch.rand(len(tokens), generator=torch.Generator().manual_seed(seed))
+    return randomized_pit(probs, tokens, v)
+
+
+def repeat_pvalue(model: LlamaModel, prompts: list[list[int]], outputs: list[list[int]],
+                  params: list[SamplingParams]) -> float:
+    """One-sided p-value of "output tokens repeat earlier output tokens of their row more often
+    than the model predicts". Random numbers drawn twice (a stream reseeded, a worker's restarted)
+    make a draft repeat what the same numbers drew before, a dependence between positions that
+    the pooled PIT, which sees each position alone, misses. Under exactness, the count of
+    earlier copies of each token less its conditional expectation given the prefix is a
+    martingale difference: their sum over a row and over rows is about normal."""
+    rows, tokens, probs = teacher_forced_probs(model, prompts, outputs, params)
+    probs = probs.double() / probs.double().sum(-1, keepdim=True)
+    onehot = torch.nn.functional.one_hot(tokens, probs.shape[-1]).double()
+    seen = onehot.cumsum(0) - onehot  # copies of each token before this one, in all rows
+    row_start = torch.ones_like(rows, dtype=torch.bool)
+    row_start[1:] = rows[1:] != rows[:-1]
+    starts = torch.cumsum(row_start, 0) - 1  # which row segment each token is in
+    seen -= seen[row_start.nonzero()[:, 0]][starts]  # ... in its own row only
+    expected = (seen * probs).sum(-1)
+    excess = seen.gather(-1, tokens[:, None])[:, 0] - expected
+    variance = (seen ** 2 * probs).sum(-1) - expected ** 2
+    z = excess.sum() / variance.sum().clamp_min(1e-30).sqrt()
+    return 0.5 * math.erfc(z.item() / math.sqrt(2))
 
 
 def sharpen(probs: torch.Tensor, power: float) -> torch.Tensor:

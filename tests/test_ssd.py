@@ -31,15 +31,16 @@ from saguaro.engine.round import Decoder
 from saguaro.engine.sampler import sample
 from saguaro.speculation.build import ar_decoder
 from saguaro.speculation.worker import speculator
+from saguaro.speculation.remote import client as remote_client
 from saguaro.speculation.remote.client import DraftClient
 from saguaro.speculation.worker.speculator import saguaro_sigma
-from saguaro.speculation.protocol import SparseProbs, dense_probs
+from saguaro.speculation.protocol import DraftUnavailable, SparseProbs, dense_probs
 from saguaro.speculation.remote import proposer as remote_proposer
 from saguaro.speculation.local import drafters
 from saguaro.speculation.worker.cache import SpeculationCache
 from saguaro.engine.sampler import uniforms
 from saguaro.speculation.remote.proposer import SSDStats
-from stats import MisreportedProposal, ks_pvalue, sharpen, teacher_forced_pit
+from stats import MisreportedProposal, ks_pvalue, repeat_pvalue, sharpen, teacher_forced_pit
 from test_exactness import ALPHA, PROMPT, REDUCED_HEAD, TINY_V, bonus_from_residual, residual_is_p, tiny_model
 
 ROWS = 4_000
@@ -104,14 +105,15 @@ def decode_all(decoder, seqs: list[Sequence]) -> None:
         decoder.release([s for s in active if s.finished])
 
 
-def ssd_pvalue(target, draft_dir, temperature: float, path: str, proposal_top: int = 64, rows: int = ROWS,
-               new: int = NEW, options: list[dict] | None = None, step=None) -> tuple[float, Decoder]:
-    """The KS p-value of `rows` continuations of `new` tokens decoded in-process along `path`
-    (tests/stats.py); K is the fan-out's length less one. Row i samples with options[i % len]
-    (top_k, top_p) besides the temperature; step(decoder, seqs) runs each round if given."""
+def ssd_decode(target, draft_dir, temperature: float, path: str, proposal_top: int = 64, rows: int = ROWS,
+               new: int = NEW, options: list[dict] | None = None, step=None,
+               client_type: type[InProcessDraft] = InProcessDraft) -> tuple[list[Sequence], Decoder]:
+    """`rows` continuations of `new` tokens decoded in-process along `path`; K is the fan-out's
+    length less one. Row i samples with options[i % len] (top_k, top_p) besides the
+    temperature; step(decoder, seqs) runs each round if given."""
     fan_out, backup, c, prompt_lookup = PATHS[path] if path in PATHS else K3_PATHS[path]
-    client = InProcessDraft(worker_config(str(draft_dir), "float32", len(fan_out) - 1, fan_out, c,
-                                          prompt_lookup=prompt_lookup, proposal_top=proposal_top), None)
+    client = client_type(worker_config(str(draft_dir), "float32", len(fan_out) - 1, fan_out, c,
+                                       prompt_lookup=prompt_lookup, proposal_top=proposal_top), None)
     decoder = ssd_decoder(target, client, backup)
     options = options or [{}]
     params = [SamplingParams(temperature=temperature, max_tokens=new, seed=i, **options[i % len(options)])
@@ -125,7 +127,13 @@ def ssd_pvalue(target, draft_dir, temperature: float, path: str, proposal_top: i
         while active := [s for s in seqs if not s.finished]:
             step(decoder, active)
             decoder.release([s for s in active if s.finished])
-    pits = teacher_forced_pit(target, [PROMPT] * rows, [s.output_ids for s in seqs], params)
+    return seqs, decoder
+
+
+def ssd_pvalue(target, draft_dir, temperature: float, path: str, **decode) -> tuple[float, Decoder]:
+    """The KS p-value (tests/stats.py) of ssd_decode's continuations."""
+    seqs, decoder = ssd_decode(target, draft_dir, temperature, path, **decode)
+    pits = teacher_forced_pit(target, [PROMPT] * len(seqs), [s.output_ids for s in seqs], [s.params for s in seqs])
     return ks_pvalue(pits), decoder
 
 
@@ -234,10 +242,21 @@ def sigma_sampled_q_reported(monkeypatch, where: str) -> None:
     monkeypatch.setattr(speculator if where == "tree" else drafters, "sample", from_sigma)
 
 
-@pytest.mark.parametrize("where", ["backup"])  # "tree": not caught yet at this size (p = 0.005 at K = 3)
+# Saguaro sampling over many hits: at 3 tokens a row too few tokens come from the tree to see it
+# drafted from one distribution and reported as another (p = 0.005); at 17, p ~ 1e-17.
+SIGMA_ROWS, SIGMA_NEW = 2_000, 17
+
+
+def test_ssd_is_exact_with_saguaro_sampling_over_many_hits(tiny_target, tiny_draft_dir):
+    pvalue, decoder = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "mixed-c0.1", rows=SIGMA_ROWS, new=SIGMA_NEW)
+    assert pvalue > ALPHA
+    assert len(ssd_of(decoder).stats.hit_lengths) > 2 * SIGMA_ROWS
+
+
+@pytest.mark.parametrize("where", ["tree", "backup"])
 def test_ssd_check_catches_saguaro_sampling_reported_as_q(tiny_target, tiny_draft_dir, where, monkeypatch):
     sigma_sampled_q_reported(monkeypatch, where)
-    assert ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "mixed-c0.1")[0] < ALPHA
+    assert ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "mixed-c0.1", rows=SIGMA_ROWS, new=SIGMA_NEW)[0] < ALPHA
 
 
 def lookup_keeps_branch_probs(monkeypatch) -> None:
@@ -266,12 +285,14 @@ def test_ssd_check_catches_a_lookup_sent_with_its_hits_distributions(tiny_target
 
 
 TOP_OPTIONS = [{"top_k": 2}, {"top_p": 0.3}]  # what a misreport of the truncation moves the most
+TOP_ROWS = 8_000  # the control's p: 3e-6 at 4,000 rows, too near ALPHA; 9e-12 at 8,000
 
 
 def test_ssd_neural_backup_is_exact_with_top_k_and_top_p(tiny_target, tiny_draft_dir):
-    pvalue, decoder = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "miss-neural-k3", new=K3_NEW, options=TOP_OPTIONS)
+    pvalue, decoder = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "miss-neural-k3", rows=TOP_ROWS, new=K3_NEW,
+                                 options=TOP_OPTIONS)
     assert pvalue > ALPHA
-    assert len(ssd_of(decoder).stats.miss_lengths["neural"]) > ROWS // 10
+    assert len(ssd_of(decoder).stats.miss_lengths["neural"]) > TOP_ROWS // 10
 
 
 def backup_reports_temperature_only(monkeypatch) -> None:
@@ -295,7 +316,9 @@ def backup_reports_temperature_only(monkeypatch) -> None:
 def test_ssd_check_catches_top_k_and_top_p_misreported_by_the_neural_backup(tiny_target, tiny_draft_dir,
                                                                             monkeypatch):
     backup_reports_temperature_only(monkeypatch)
-    assert ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "miss-neural-k3", new=K3_NEW, options=TOP_OPTIONS)[0] < ALPHA
+    pvalue, _ = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "miss-neural-k3", rows=TOP_ROWS, new=K3_NEW,
+                           options=TOP_OPTIONS)
+    assert pvalue < ALPHA
 
 
 @pytest.fixture(scope="module")
@@ -319,13 +342,22 @@ def test_ssd_check_catches_a_bonus_from_the_residual_after_full_acceptance(tiny_
     assert ssd_pvalue(tiny_target, twin_draft_dir, 1.0, "hit-c1", new=TWIN_NEW)[0] < ALPHA
 
 
-# Many rounds per row on a hit every round: what a random number used twice shows up in.
-REUSE_ROWS, REUSE_NEW = 1_000, 40
+# Many rounds per row on a hit every round: what a random number used twice shows up in. The
+# repeat statistic (tests/stats.py) sees a tree reseeded every fill at p ~ 1e-20; the pooled
+# PIT needs 1,000 rows x 40 tokens for p ~ 1e-8.
+REUSE_ROWS, REUSE_NEW = 500, 30
+
+
+def ssd_pvalues(target, draft_dir, path: str, **decode) -> tuple[float, float, Decoder]:
+    """The KS and repeat p-values (tests/stats.py) of ssd_decode's continuations at T = 1."""
+    seqs, decoder = ssd_decode(target, draft_dir, 1.0, path, **decode)
+    sampled = ([PROMPT] * len(seqs), [s.output_ids for s in seqs], [s.params for s in seqs])
+    return ks_pvalue(teacher_forced_pit(target, *sampled)), repeat_pvalue(target, *sampled), decoder
 
 
 def test_ssd_is_exact_over_many_rounds(tiny_target, tiny_draft_dir):
-    pvalue, decoder = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "hit-c1", rows=REUSE_ROWS, new=REUSE_NEW)
-    assert pvalue > ALPHA
+    ks, repeats, decoder = ssd_pvalues(tiny_target, tiny_draft_dir, "hit-c1", rows=REUSE_ROWS, new=REUSE_NEW)
+    assert ks > ALPHA and repeats > ALPHA
     assert len(ssd_of(decoder).stats.hit_lengths) > 10 * REUSE_ROWS
 
 
@@ -335,8 +367,61 @@ def test_ssd_check_catches_a_tree_reseeded_every_fill(tiny_target, tiny_draft_di
         return uniforms([torch.Generator().manual_seed(s.seq_id) for s in seqs], n).to(self.draft.device)
 
     monkeypatch.setattr(speculator.Speculator, "_uniforms", reseeded)
-    pvalue, _ = ssd_pvalue(tiny_target, tiny_draft_dir, 1.0, "hit-c1", rows=REUSE_ROWS, new=REUSE_NEW)
-    assert pvalue < ALPHA
+    _, repeats, _ = ssd_pvalues(tiny_target, tiny_draft_dir, "hit-c1", rows=REUSE_ROWS, new=REUSE_NEW)
+    assert repeats < ALPHA
+
+
+# Across restarts: each worker answers one request, is lost at its second and replaced (in-process,
+# through the pool's own restart), so every other round drafts from a new worker's first random
+# numbers. Reused, they make drafts repeat: the repeat statistic sees it (p ~ 1e-22), the pooled
+# PIT does not (p ~ 0.1-0.8).
+RESTART_ROWS, RESTART_NEW = 4_000, 25
+
+
+class ShortLivedDraft(InProcessDraft):
+    """An in-process worker that is lost when asked for its `lifetime`-th speculation."""
+    lifetime = 2
+
+    def ask(self, request):
+        self.asked = getattr(self, "asked", 0) + 1
+        if self.asked >= self.lifetime:
+            raise DraftUnavailable("lost on purpose")
+        return super().ask(request)
+
+
+def restarted_pvalues(target, draft_dir, monkeypatch, client_type: type[InProcessDraft]
+                      ) -> tuple[float, float, Decoder]:
+    """ssd_pvalues along the neural backup with client_type's workers, each round waiting for a
+    lost worker's replacement, so that every replacement drafts."""
+    monkeypatch.setattr(remote_client, "DraftClient", client_type)
+
+    def step(decoder, active):
+        lane = ssd_of(decoder).pool.lanes[0]
+        if lane.restart is not None:
+            lane.restart.result(timeout=60)
+        decoder.step(active)
+
+    with pytest.warns(RuntimeWarning, match="draft worker lost"):
+        return ssd_pvalues(target, draft_dir, "miss-neural", rows=RESTART_ROWS, new=RESTART_NEW, step=step,
+                           client_type=client_type)
+
+
+def test_ssd_is_exact_across_worker_restarts(tiny_target, tiny_draft_dir, monkeypatch):
+    ks, repeats, decoder = restarted_pvalues(tiny_target, tiny_draft_dir, monkeypatch, ShortLivedDraft)
+    assert ks > ALPHA and repeats > ALPHA
+    assert ssd_of(decoder).pool.restarts > 5  # many replacements drafted
+
+
+class ForgetfulDraft(ShortLivedDraft):
+    """Broken: every replacement counts itself the first worker, and so repeats its random streams."""
+
+    def __init__(self, config, embeddings, target_device="cpu", incarnation=0):
+        super().__init__(config, embeddings, target_device, 0)
+
+
+def test_ssd_check_catches_a_restarted_worker_reusing_its_random_streams(tiny_target, tiny_draft_dir, monkeypatch):
+    ks, repeats, _ = restarted_pvalues(tiny_target, tiny_draft_dir, monkeypatch, ForgetfulDraft)
+    assert repeats < ALPHA
 
 
 # --- a real worker process at K = 3: the tree, the wire, mixed batches -------------------------
