@@ -15,7 +15,8 @@ import transformers
 
 from saguaro.models import loader, native
 from saguaro.models.kv_cache import KVCache
-from saguaro.models.quantized import GROUP, GroupInt8Linear, Int4Linear
+from saguaro.models.quantized import (GROUP, GroupInt4, GroupInt6, GroupInt8, GroupLinear, Int4Linear, StackedCodes,
+                                      native_tiles)
 from test_gguf import gguf_tensors, write_gguf
 
 pytestmark = pytest.mark.skipif(not native.available(),
@@ -83,11 +84,10 @@ def test_group_products_compute_the_documented_arithmetic(bits, shape):
     assert relative_error(wrong, kernel_arithmetic(x, codes, scales, lows)) > 0.1
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(bits):
-    codes, scales, lows = random_weights(960, 576, bits)
-    tiles = pack(bits, codes, scales, lows)
-    x = torch.randn(300, 576).bfloat16()
+    tiles = native_tiles(random_q6(960, 768))[1] if bits == 6 else pack(bits, *random_weights(960, 768, bits))
+    x = torch.randn(300, 768).bfloat16()
     alone = torch.cat([native.group_matmul(bits, tiles, x[i:i + 1], 960) for i in range(len(x))])
     for rows in (2, 3, 4, 5, 6, 7, 9, 16, 33, 300):
         assert torch.equal(native.group_matmul(bits, tiles, x[:rows], 960), alone[:rows]), f"{rows} rows"
@@ -97,6 +97,59 @@ def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(bits):
         assert torch.equal(native.group_matmul(bits, tiles, x, 960), alone)
     finally:
         torch.set_num_threads(threads)
+
+
+def random_q6(out_features: int, in_features: int, seed: int = 0) -> GroupInt6:
+    """Q6_K-shaped groups: codes -32..31, int8 sub-scales of either sign, fp16 super-scales."""
+    gen = torch.Generator().manual_seed(seed)
+    return GroupInt6(torch.randint(-32, 32, (out_features, in_features), generator=gen, dtype=torch.int8),
+                     fp16_exact(torch.rand(out_features, in_features // 256, generator=gen) * 1e-3 + 1e-4),
+                     torch.randint(-128, 128, (out_features, in_features // 16), generator=gen, dtype=torch.int8))
+
+
+def q6_arithmetic(x: torch.Tensor, weights: GroupInt6) -> torch.Tensor:
+    """group_matmul.c's 6-bit arithmetic in float64: x ~ d q per group of 32, then per half group
+    of 16 inputs sub_scale * scale * d * sum(code q)."""
+    rows, out_features = x.shape[0], weights.shape[0]
+    groups = x.float().reshape(rows, -1, GROUP)
+    top = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.full_like(top, 127).div(top), 0)
+    q = torch.round(groups * inverse).double().reshape(rows, -1, 16)
+    d = (top / 127).double()[..., 0].repeat_interleave(2, dim=1)  # [rows, half groups]
+    dots = torch.einsum("rhi,ohi->roh", q, weights.codes.reshape(out_features, -1, 16).double())
+    per_half = weights.sub_scales.double() * weights.scales.double().repeat_interleave(16, dim=1)
+    return torch.einsum("roh,oh,rh->ro", dots, per_half, d)
+
+
+@pytest.mark.parametrize("shape", [(960, 1536), (576, 256), (16, 512)], ids=str)
+def test_q6_products_compute_the_documented_arithmetic(shape):
+    weights = random_q6(*shape)
+    x = torch.randn(7, shape[1]).bfloat16()
+    x[3] = 0
+    bits, tiles = native_tiles(weights)
+    out = native.group_matmul(bits, tiles, x, shape[0], torch.float32)
+    reference = q6_arithmetic(x, weights)
+    assert relative_error(out, reference) < 1e-5
+    assert 1e-4 < relative_error(out, x.double() @ weights.dequantize().double().T) < 3e-2
+    # Control: each half group's sub-scale applied to the other half is caught.
+    swapped = GroupInt6(weights.codes, weights.scales, weights.sub_scales.reshape(shape[0], -1, 2).flip(2)
+                        .reshape(weights.sub_scales.shape))
+    wrong = native.group_matmul(bits, native_tiles(swapped)[1], x, shape[0], torch.float32)
+    assert relative_error(wrong, reference) > 0.1
+
+
+def test_stacked_parts_compute_each_parts_product():
+    """A fused qkv of a Q4_K_M file: q and k in 4 bits, v in 6 (and an 8-bit part besides)."""
+    codes, scales, lows = random_weights(64, 512, 4)
+    int8_codes, int8_scales, _ = random_weights(32, 512, 8, seed=2)
+    parts = [GroupInt4(codes, scales, lows), random_q6(48, 512, seed=1), GroupInt8(int8_codes, int8_scales)]
+    x = torch.randn(5, 512).bfloat16()
+    alone = torch.cat([native.group_matmul(*native_tiles(p), x, p.shape[0], torch.float32) for p in parts], dim=1)
+    bits, tiles = native_tiles(StackedCodes(parts))
+    assert bits == 0 and torch.equal(native.group_matmul(bits, tiles, x, 144, torch.float32), alone)
+    # Control: the same parts in another order give other outputs.
+    _, reordered = native_tiles(StackedCodes(parts[::-1]))
+    assert not torch.equal(native.group_matmul(0, reordered, x, 144, torch.float32), alone)
 
 
 SIZE = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -140,10 +193,10 @@ def hidden_states(model, tokens: torch.Tensor, mask: torch.Tensor | None = None)
 def test_the_native_model_is_what_the_loader_builds(tiny_gguf, monkeypatch):
     model = load(tiny_gguf)
     assert model.native_layers is not None
-    assert isinstance(model.lm_head, GroupInt8Linear)
+    assert isinstance(model.lm_head, GroupLinear)
     assert all(isinstance(m, Int4Linear) and m.native for n, m in model.named_modules() if n.endswith("_proj"))
     plain = load(tiny_gguf, monkeypatch, native_on=False)
-    assert plain.native_layers is None and not isinstance(plain.lm_head, GroupInt8Linear)
+    assert plain.native_layers is None and not isinstance(plain.lm_head, GroupLinear)
 
 
 def test_native_layers_compute_what_the_torch_layers_compute(tiny_gguf, monkeypatch):
@@ -206,7 +259,7 @@ def test_a_float_draft_runs_on_the_kernels_where_its_target_does(smollm2_path):
     target = loader.load_model(smollm2_path, torch.bfloat16)
     draft = loader.load_draft(hub.DRAFTS_DIR / "smollm2", target)
     assert target.quantization == draft.quantization == "auto" and draft.native_layers is not None
-    assert isinstance(draft.lm_head, GroupInt8Linear)
+    assert isinstance(draft.lm_head, GroupLinear)
     plain = loader.load_checkpoint(hub.DRAFTS_DIR / "smollm2", torch.bfloat16, embeddings=target.embed_tokens.weight)
     tokens = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
     fast = draft.head_logits(hidden_states(draft, tokens).bfloat16())

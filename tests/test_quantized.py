@@ -11,7 +11,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from saguaro.models import loader, native
-from saguaro.models.quantized import GROUP, GroupInt4, Int4Linear, Int8Linear, check_mode
+from saguaro.models.quantized import GROUP, GroupInt4, GroupLinear, Int4Linear, Int8Linear, check_mode
 from test_gguf import gguf_tensors, max_diff, saguaro_logits, write_gguf
 
 SHAPES = [(960, 576), (576, 1536), (64, 32)]  # SmolLM2's qkv and down projections, and a tiny one
@@ -109,16 +109,16 @@ INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 TOKENS = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
 
 
-def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator, size: float = 1.0) -> np.ndarray:
     """K-quant blocks with random codes and sub-scales (gguf-py cannot quantize to them): the
-    fp16 super-block scales are set so the weights come out of order 0.1."""
+    fp16 super-block scales are set so the weights come out of order 0.1 * size."""
     blocks = rows * cols // 256
     if kind == Q.Q4_K:  # d, dmin (fp16), 12 bytes of six-bit scales and mins, 128 bytes of codes
         raw = rng.integers(0, 256, (blocks, 144), dtype=np.uint8)
-        raw[:, 0:4] = np.array([2e-4, 2e-4], dtype=np.float16).view(np.uint8)
+        raw[:, 0:4] = np.array([2e-4 * size, 2e-4 * size], dtype=np.float16).view(np.uint8)
     else:  # Q6_K: 128 + 64 bytes of codes, 16 int8 scales, d (fp16)
         raw = rng.integers(0, 256, (blocks, 210), dtype=np.uint8)
-        raw[:, 208:210] = np.array([2e-5], dtype=np.float16).view(np.uint8)
+        raw[:, 208:210] = np.array([2e-5 * size], dtype=np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -161,18 +161,53 @@ def test_every_gguf_type_loads_as_its_dequantized_weights(files, source):
         assert max_diff(unquantized, expected) > 1e-3
 
 
-def test_4_bit_blocks_run_as_int4_with_their_own_codes(files):
+def test_4_and_6_bit_blocks_run_with_their_own_codes(files):
     kind, file, reference = files
     model = loader.load_model(file, torch.bfloat16)
     projections = [m for name, m in model.named_modules() if name.endswith("_proj")]
     assert all(isinstance(m, Int4Linear) for m in projections) == (kind in INT4_TYPES)
-    if kind in INT4_TYPES:
+    six_bits = native.available() and kind == Q.Q6_K
+    assert all(isinstance(m, GroupLinear) and m.bits == 6 for m in projections) == six_bits
+    if kind in INT4_TYPES or six_bits:
         expected = saguaro_logits(loader.load_model(reference), TOKENS)
         assert max_diff(saguaro_logits(model, TOKENS), expected) < 0.05 * expected.abs().max()
 
 
-@pytest.mark.parametrize("kind", INT4_TYPES, ids=lambda kind: kind.name)
-def test_int4_codes_reproduce_the_gguf_dequantization_exactly(kind, source, tmp_path):
+def q4_k_m_kind(name: str) -> Q:
+    """llama.cpp's Q4_K_M: Q4_K, but Q6_K for attn_v, ffn_down and the head."""
+    return Q.Q6_K if name.split(".")[-2] in ("attn_v", "ffn_down", "output") else Q.Q4_K
+
+
+def q4_k_m_files(source, folder, seed: int = 0) -> tuple:
+    """A Q4_K_M file of `source`'s shape with random blocks (weights of order 0.02, where bf16
+    stays well conditioned), and the same weights dequantized to fp32."""
+    rng = np.random.default_rng(seed)
+    tensors = {name: (random_blocks(q4_k_m_kind(name), *array.shape, rng, size=0.2), q4_k_m_kind(name))
+               for name, array in gguf_tensors(source, "llama").items()
+               if array.ndim == 2 and (name.startswith("blk.") or name == "output.weight")}
+    dequantized = {name: gguf.quants.dequantize(blocks, kind) for name, (blocks, kind) in tensors.items()}
+    return (write_gguf(folder / f"q4_k_m-{seed}.gguf", source, "llama", "tiny", tensors=tensors),
+            write_gguf(folder / f"f32-{seed}.gguf", source, "llama", "tiny", tensors=dequantized))
+
+
+@pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+def test_a_q4_k_m_file_runs_entirely_on_saguaros_kernels(source, tmp_path):
+    """v in Q6_K beside q and k in Q4_K: one stacked qkv; down and the head in Q6_K."""
+    file, reference = q4_k_m_files(source, tmp_path)
+    model = loader.load_model(file, torch.bfloat16)
+    assert model.native_layers is not None
+    assert model.layers[0].self_attn.qkv_proj.bits == 0 and model.layers[0].mlp.down_proj.bits == 6
+    assert isinstance(model.lm_head, GroupLinear) and model.lm_head.bits == 6
+    expected = saguaro_logits(loader.load_model(reference), TOKENS)
+    tolerance = 0.02 * expected.abs().max()
+    assert max_diff(saguaro_logits(model, TOKENS), expected) < tolerance
+    # Control: other weights of the same types are seen at this tolerance.
+    other = saguaro_logits(loader.load_model(q4_k_m_files(source, tmp_path, seed=1)[1]), TOKENS)
+    assert max_diff(other, expected) > tolerance
+
+
+@pytest.mark.parametrize("kind", INT4_TYPES + (Q.Q6_K,), ids=lambda kind: kind.name)
+def test_grouped_codes_reproduce_the_gguf_dequantization_exactly(kind, source, tmp_path):
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
     for tensor in gguf.GGUFReader(str(file)).tensors:
         if tensor.tensor_type == kind:

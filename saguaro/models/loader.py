@@ -17,7 +17,8 @@ from saguaro.models.gguf_file import GGUFFile, read_gguf_file
 from saguaro.models.hub import cache_dir
 from saguaro.models.llama import LlamaModel, rope_inv_freq
 from saguaro.models.packed import pack_linears
-from saguaro.models.quantized import GROUP, GroupCodes, GroupInt4, GroupInt8, check_mode, quantized_linear
+from saguaro.models.quantized import (GROUP, GroupCodes, GroupInt4, GroupInt6, GroupInt8, StackedCodes, check_mode,
+                                      quantized_linear)
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -144,7 +145,23 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
     return np.stack([packed & 0x0F, packed >> 4], axis=-2)
 
 
-def gguf_groups(tensor) -> GroupInt4 | GroupInt8 | None:
+def _q6_k(blocks: np.ndarray, out_features: int, in_features: int) -> GroupInt6:
+    """Q6_K, 210 bytes per 256 weights: per half of 128, 64 bytes of low nibbles and 32 of top
+    bit pairs (llama.cpp's order: weight 32i + l of the half from byte l or 32 + l, the low or
+    high nibble, and bit pair i of top byte l); then 16 int8 sub-scales, then fp16 d."""
+    halves = []
+    for n in range(2):
+        low, top = blocks[:, 64 * n:64 * n + 64], blocks[:, 128 + 32 * n:160 + 32 * n]
+        nibbles = [low[:, :32] & 15, low[:, 32:] & 15, low[:, :32] >> 4, low[:, 32:] >> 4]
+        halves += [nibbles[i] | (((top >> (2 * i)) & 3) << 4) for i in range(4)]
+    codes = (np.concatenate(halves, axis=1).astype(np.int16) - 32).astype(np.int8)
+    sub_scales = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)
+    return GroupInt6(torch.from_numpy(codes.reshape(out_features, in_features)),
+                     torch.from_numpy(_halves(blocks, 208).reshape(out_features, in_features // 256)),
+                     torch.from_numpy(sub_scales.reshape(out_features, in_features // 16).copy()))
+
+
+def gguf_groups(tensor) -> GroupInt4 | GroupInt6 | GroupInt8 | None:
     """A Q4_0 / Q4_1 / Q4_K / Q8_0 tensor's own codes, scales and offsets per group of 32 weights
     (ggml's block layouts); None for other types."""
     from gguf import GGMLQuantizationType as Q
@@ -156,6 +173,8 @@ def gguf_groups(tensor) -> GroupInt4 | GroupInt8 | None:
         codes = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
         return GroupInt8(torch.from_numpy(codes.reshape(out_features, in_features)),
                          torch.from_numpy(_halves(blocks, 0).reshape(out_features, in_features // GROUP)))
+    if kind == Q.Q6_K:
+        return _q6_k(np.asarray(tensor.data, dtype=np.uint8).reshape(-1, 210), out_features, in_features)
     if kind not in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
         return None
     block_bytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144}[kind]
@@ -178,7 +197,7 @@ def gguf_groups(tensor) -> GroupInt4 | GroupInt8 | None:
                      torch.from_numpy(np.ascontiguousarray(lows.reshape(out_features, groups))))
 
 
-def _unpermute_rope(weight: torch.Tensor | GroupInt4 | GroupInt8, n_head: int) -> torch.Tensor | GroupInt4 | GroupInt8:
+def _unpermute_rope(weight: torch.Tensor | GroupCodes, n_head: int) -> torch.Tensor | GroupCodes:
     """Undoes llama.cpp's reordering of q/k rows (interleaved rope) back to rotate-half order."""
     rows = weight.shape[0]
     order = torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
@@ -199,12 +218,12 @@ def gguf_tensor_name(gguf_name: str) -> str | None:
     raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name}")
 
 
-def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupInt4 | GroupInt8]]:
+def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupCodes]]:
     """Config and weights; the projections', head's and embedding's 4-bit and Q8_0 blocks as
-    GroupInt4 / GroupInt8, everything else dequantized to fp32."""
+    GroupInt4 / GroupInt6 / GroupInt8, everything else dequantized to fp32."""
     reader = read_gguf_file(file)
     config = ModelConfig.from_hf(gguf_hf_config(reader))
-    state: dict[str, torch.Tensor | GroupInt4 | GroupInt8] = {}
+    state: dict[str, torch.Tensor | GroupCodes] = {}
     for tensor in reader.tensors:
         name = gguf_tensor_name(tensor.name)
         if name is None:
@@ -243,15 +262,21 @@ def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dic
     return state
 
 
-def _cat(parts: list) -> torch.Tensor | GroupInt4 | GroupInt8:
-    """Stacks projections' rows, keeping their codes only where every part has the same kind."""
-    for kind in (GroupInt4, GroupInt8):
-        if all(isinstance(p, kind) for p in parts):
+def _cat(parts: list) -> torch.Tensor | GroupCodes | StackedCodes:
+    """Stacks projections' rows, keeping their codes where every part has them (as one kind, or
+    as stacked parts of several)."""
+    for kind in (GroupInt4, GroupInt6, GroupInt8):
+        if all(type(p) is kind for p in parts):
             return kind.cat(parts)
+    if all(isinstance(p, GroupCodes) for p in parts):
+        merged = [parts[0]]  # neighbours of one kind become one part
+        for part in parts[1:]:
+            merged[-1:] = [type(part).cat([merged[-1], part])] if type(part) is type(merged[-1]) else [merged[-1], part]
+        return StackedCodes(merged)
     return torch.cat([p.dequantize() if isinstance(p, GroupCodes) else p for p in parts])
 
 
-def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupInt4 | GroupInt8], dtype: torch.dtype,
+def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCodes], dtype: torch.dtype,
                 device: str | torch.device, quantization: str | None = None) -> LlamaModel:
     """The model; `quantization` (saguaro.models.quantized.MODES) says which decoder projections
     run quantized. The embeddings stay in `dtype`, and so does the head, except that "auto" keeps
@@ -261,7 +286,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupInt
         model = LlamaModel(config)
     state = fuse_hf_state(config, hf_state)
     quantized = {}
-    head = ["lm_head.weight"] if mode == "auto" and isinstance(state.get("lm_head.weight"), GroupInt8) else []
+    head = ["lm_head.weight"] if mode == "auto" and isinstance(state.get("lm_head.weight"), (GroupInt8, GroupInt6)) else []
     for name in [n for n in state if n.startswith("layers.") and n.endswith("_proj.weight")] + head:
         module = name.removesuffix(".weight")
         bias = state.get(f"{module}.bias")
@@ -271,7 +296,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupInt
             quantized[module] = layer
             del state[name]
             state.pop(f"{module}.bias", None)
-    state = {k: (v.dequantize() if isinstance(v, GroupCodes) else v).to(dtype) for k, v in state.items()}
+    state = {k: (v.dequantize() if isinstance(v, (GroupCodes, StackedCodes)) else v).to(dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - {f"{m}.{kind}" for m in quantized for kind in ("weight", "bias")}:
         raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
@@ -302,7 +327,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return names[dtype]
 
 
-def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupInt4 | GroupInt8]]:
+def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupCodes]]:
     folder, gguf_file = checkpoint_files(Path(path))
     return read_gguf(gguf_file) if gguf_file else read_hf_folder(folder)
 

@@ -81,6 +81,42 @@ class GroupInt4(GroupCodes):
         return cls(codes.to(torch.uint8).reshape(weight.shape), scales, lows)
 
 
+@dataclass
+class GroupInt6(GroupCodes):
+    """Codes -32..31 (int8), w = code * sub_scale * scale, an int8 sub-scale per 16 inputs and an
+    fp16 scale per 256: Q6_K (the v, down and head of Q4_K_M files)."""
+    sub_scales: torch.Tensor  # [out, in / 16] int8; scales: [out, in / 256] fp32 (fp16 values)
+
+    def dequantize(self) -> torch.Tensor:
+        per_input = self.sub_scales.float().repeat_interleave(16, dim=1) * self.scales.repeat_interleave(256, dim=1)
+        return self.codes.float() * per_input
+
+
+@dataclass
+class StackedCodes:
+    """Projections of different block types stacked along the outputs: a fused qkv whose v is
+    Q6_K and its q and k Q4_K, as in Q4_K_M files. saguaro's kernels run them as one."""
+    parts: list[GroupCodes]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+def native_tiles(weights: GroupCodes | StackedCodes) -> tuple[int, torch.Tensor]:
+    """(bits, tiles) as group_matmul.c reads them; bits 0 for stacked parts."""
+    if isinstance(weights, StackedCodes):
+        return 0, native.stack_parts([native_tiles(p) for p in weights.parts])
+    if isinstance(weights, GroupInt4):
+        return 4, native.pack4(weights.codes, weights.scales, weights.lows)
+    if isinstance(weights, GroupInt6):
+        return 6, native.pack6(weights.codes, weights.sub_scales, weights.scales)
+    return 8, native.pack8(weights.codes, weights.scales)
+
+
 def fits_int4(out_features: int, in_features: int) -> bool:
     """The shapes torch's int4 CPU kernel takes."""
     return out_features % 16 == 0 and in_features % GROUP == 0
@@ -128,7 +164,7 @@ class Int4Linear(QuantizedLinear):
         self.native = native.available() and native.fits(*weights.shape)
         self.bits = 4 if self.native else None  # what decoder_layer.c reads (saguaro.models.native)
         if self.native:
-            self.register_buffer("packed", native.pack4(weights.codes, weights.scales, weights.lows), persistent=False)
+            self.register_buffer("packed", native_tiles(weights)[1], persistent=False)
             return
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.codes.int(), 2),
                              persistent=False)
@@ -146,19 +182,21 @@ class Int4Linear(QuantizedLinear):
         return f"{super().extra_repr()}, group={GROUP}"
 
 
-class GroupInt8Linear(QuantizedLinear):
-    """Weights held as GroupInt8 (saguaro's kernel only). A head's logits come out in fp32."""
+class GroupLinear(QuantizedLinear):
+    """Weights held as Q8_0 or Q6_K groups, or stacked parts of several types (saguaro's kernels
+    only). A head's logits come out in fp32."""
 
-    bits = 8
+    native = True
 
-    def __init__(self, weights: GroupInt8, bias: torch.Tensor | None, dtype: torch.dtype,
+    def __init__(self, weights: GroupInt8 | GroupInt6 | StackedCodes, bias: torch.Tensor | None, dtype: torch.dtype,
                  out_dtype: torch.dtype | None = None):
         super().__init__(*weights.shape, bias)
         self.compute_dtype, self.out_dtype = dtype, out_dtype or dtype
-        self.register_buffer("packed", native.pack8(weights.codes, weights.scales), persistent=False)
+        self.bits, packed = native_tiles(weights)
+        self.register_buffer("packed", packed, persistent=False)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return native.group_matmul(8, self.packed, rows, self.out_features, self.out_dtype)
+        return native.group_matmul(self.bits, self.packed, rows, self.out_features, self.out_dtype)
 
 
 class Int8Linear(QuantizedLinear):
@@ -193,15 +231,16 @@ def check_mode(quantization: str | None, dtype: torch.dtype, device: torch.devic
     return mode
 
 
-def quantized_linear(weight: torch.Tensor | GroupInt4 | GroupInt8, bias: torch.Tensor | None, mode: str,
+def quantized_linear(weight: torch.Tensor | GroupCodes | StackedCodes, bias: torch.Tensor | None, mode: str,
                      dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> nn.Module | None:
     """The quantized layer for one projection, or None where it stays a plain linear layer."""
     out_features, in_features = weight.shape
     if mode == "int8":
         return Int8Linear(weight if isinstance(weight, torch.Tensor) else weight.dequantize(), bias, dtype)
-    if isinstance(weight, GroupInt8):
-        if mode == "auto" and native.available() and native.fits(out_features, in_features):
-            return GroupInt8Linear(weight, bias, dtype, out_dtype)
+    if isinstance(weight, (GroupInt8, GroupInt6, StackedCodes)):
+        parts = weight.parts if isinstance(weight, StackedCodes) else [weight]
+        if mode == "auto" and native.available() and all(native.fits(*p.shape) for p in parts):
+            return GroupLinear(weight, bias, dtype, out_dtype)
         weight = weight.dequantize()
     if not fits_int4(out_features, in_features):
         return None

@@ -129,6 +129,39 @@ def pack8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.cat([chunks, _halves(scales)], dim=-1).contiguous()
 
 
+def pack6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q6_K: codes [out, in] -32..31, scales [out, in / 16] int8 (one per half group), d [out,
+    in / 256] fp16 -> tiles of 448 bytes (group_matmul.c)."""
+    out_features, in_features = codes.shape
+    columns, groups = out_features // TILE_OUT, in_features // GROUP
+    c = (codes.to(torch.int16) + 32).to(torch.uint8)
+    # [column, output j, group, half s, chunk u, t] -> [column, group, u, j, t, s]
+    c = c.reshape(columns, TILE_OUT, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    nibbles = ((c[..., 0] & 15) | ((c[..., 1] & 15) << 4)).reshape(columns, groups, 256)
+    top = (c >> 4).reshape(columns, groups, 2, 2, TILE_OUT, 4, 2)  # [.., h, v, j, t, s]
+    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)[:, None, None, :]  # bit 4v + 2s
+    tops = (top << shifts).sum((3, 6), dtype=torch.uint8).reshape(columns, groups, 128)
+    halves = scales.to(torch.int8).reshape(columns, TILE_OUT, groups, 2).permute(0, 2, 3, 1)
+    per_group = d.repeat_interleave(256 // GROUP, dim=1)  # [out, groups]
+    return torch.cat([nibbles, tops, halves.contiguous().view(torch.uint8).reshape(columns, groups, 32),
+                      _halves(per_group)], dim=-1).contiguous()
+
+
+HEADER_BYTES, MAX_PARTS = 64, 3
+
+
+def stack_parts(parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """Projections packed by different functions, stacked along the outputs as one (bits = 0 in
+    group_matmul): a 64-byte header of the parts' (bits, outputs), then their tiles."""
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"{len(parts)} parts: saguaro's kernels stack 1 to {MAX_PARTS}")
+    header = torch.zeros(HEADER_BYTES // 8, dtype=torch.int64)
+    header[0] = len(parts)
+    for i, (bits, tiles) in enumerate(parts):
+        header[1 + 2 * i], header[2 + 2 * i] = bits, tiles.shape[0] * TILE_OUT
+    return torch.cat([header.view(torch.uint8)] + [tiles.reshape(-1) for _, tiles in parts])
+
+
 def group_matmul(bits: int, tiles: torch.Tensor, x: torch.Tensor, out_features: int,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [rows, in] bf16 @ the packed weights' transpose -> [rows, out] in bf16 or fp32."""
@@ -208,7 +241,7 @@ def attach(model: torch.nn.Module) -> None:
         return
     for layer in model.layers:
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        if not all(getattr(p, "bits", None) for p in projections):
+        if not all(getattr(p, "native", False) for p in projections):
             return
         if any(p.bias is not None for p in projections[1:]):  # decoder_layer.c adds a bias to qkv only
             return

@@ -14,8 +14,17 @@
  * A tile is 16 outputs x 32 inputs, stored as one record (packing: saguaro/models/native/__init__.py):
  *  - 4-bit, 320 bytes: 4 chunks of 64 code bytes, where byte 4j + t of chunk u holds output j's
  *    codes for inputs 4u + t (low nibble) and 16 + 4u + t (high nibble); 16 fp16 scales; 16 fp16 lows.
+ *  - 6-bit (Q6_K), 448 bytes: the 4-bit record's chunks hold the codes' (code + 32, so 0..63) low
+ *    four bits; then 2 chunks of 64 bytes with their top two bits, byte 4j + t of chunk h holding
+ *    at bit 4v + 2s those of chunk u = 2h + v's half s (s = 0: low nibble); then 32 int8 scales,
+ *    one per output and half group (16 inputs): outputs 0-15 for inputs 0-15, then for 16-31;
+ *    then 16 fp16 super-scales d. w = (code - 32) * scale * d. The two halves keep separate
+ *    integer sums, combined in integers: d * x.d * sum_s scale_s * (dot_s - 32 qsum_s).
  *  - 8-bit, 544 bytes: 8 chunks of 64 bytes, byte 4j + t of chunk k holding output j's code for
  *    input 4k + t plus 128 (so unsigned); 16 fp16 scales (the low is zero).
+ * A projection may stack parts of different widths (a Q4_K_M file's v is Q6_K, its q and k
+ * Q4_K): bits = 0 says the tiles begin with a 64-byte header, int64 parts and then (bits,
+ * outputs) per part (at most MAX_PARTS), the parts' tiles following one after the other.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -26,6 +35,8 @@
 #define GROUP 32
 #define MAX_ROWS 8       /* rows sharing one pass over the codes (a verification of K + 1 <= 8 tokens: one) */
 #define PREFETCH_TILES 8 /* how far ahead the codes are fetched while the current tile computes */
+#define HEADER_BYTES 64
+#define MAX_PARTS 3
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
@@ -35,7 +46,7 @@ int saguaro_cpu_supported(void) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
-int64_t saguaro_tile_bytes(int bits) { return bits == 4 ? 320 : 544; }
+int64_t saguaro_tile_bytes(int bits) { return bits == 4 ? 320 : bits == 6 ? 448 : 544; }
 
 /* One row's group of activations, rounded to 8 bits. */
 typedef struct {
@@ -43,6 +54,7 @@ typedef struct {
     float d;      /* the scale: x ~ d * q */
     float d_qsum; /* d * sum(q), what the group's low multiplies */
     int32_t qsum;
+    int32_t half_qsum[2]; /* sum(q) over inputs 0-15 and 16-31 */
 } QuantizedGroup;
 
 TARGET static inline __m512 bf16_to_ps(__m256i v) {
@@ -59,7 +71,9 @@ TARGET static void quantize_row(const uint16_t *x, int64_t groups, QuantizedGrou
         __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)));
         _mm_storeu_si128((__m128i *)out[g].q, _mm512_cvtsepi32_epi8(qa));
         _mm_storeu_si128((__m128i *)(out[g].q + 16), _mm512_cvtsepi32_epi8(qb));
-        out[g].qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        out[g].half_qsum[0] = _mm512_reduce_add_epi32(qa);
+        out[g].half_qsum[1] = _mm512_reduce_add_epi32(qb);
+        out[g].qsum = out[g].half_qsum[0] + out[g].half_qsum[1];
         out[g].d = d;
         out[g].d_qsum = d * (float)out[g].qsum;
     }
@@ -88,14 +102,21 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             _mm_prefetch((const char *)tile + PREFETCH_TILES * tile_bytes + line, _MM_HINT_T0);
         /* Integer sums, exact in any order: two chains per row where few rows leave the
          * multiplier idle, one where eight rows would run out of registers. */
-        const int second_chain = R <= 4;
+        const int second_chain = bits == 6 || R <= 4; /* 6-bit: one chain per half, scaled apart */
         __m512i dots[MAX_ROWS][2];
         for (int r = 0; r < R; r++) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
-        if (bits == 4) {
+        if (bits == 4 || bits == 6) {
             for (int u = 0; u < 4; u++) {
                 __m512i w = _mm512_loadu_si512((const void *)(tile + 64 * u));
                 __m512i first = _mm512_and_si512(w, nibble);
                 __m512i second = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+                if (bits == 6) {
+                    const __m512i two = _mm512_set1_epi8(0x03);
+                    __m512i top = _mm512_loadu_si512((const void *)(tile + 256 + 64 * (u >> 1)));
+                    top = _mm512_srli_epi16(top, 4 * (u & 1));
+                    first = _mm512_or_si512(first, _mm512_slli_epi16(_mm512_and_si512(top, two), 4));
+                    second = _mm512_or_si512(second, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, 2), two), 4));
+                }
                 for (int r = 0; r < R; r++) {
                     const int8_t *q = xq[r * groups + g].q;
                     dots[r][0] = _mm512_dpbusd_epi32(dots[r][0], first, quad_of(q + 4 * u));
@@ -109,6 +130,19 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                     dots[r][k & second_chain] = _mm512_dpbusd_epi32(dots[r][k & second_chain], w,
                                                                     quad_of(xq[r * groups + g].q + 4 * k));
             }
+        }
+        if (bits == 6) {
+            const __m512i scale0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tile + 384)));
+            const __m512i scale1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tile + 400)));
+            const __m512 d = halves(tile + 416);
+            for (int r = 0; r < R; r++) {
+                const QuantizedGroup *x = xq + r * groups + g;
+                __m512i first = _mm512_sub_epi32(dots[r][0], _mm512_set1_epi32(32 * x->half_qsum[0]));
+                __m512i second = _mm512_sub_epi32(dots[r][1], _mm512_set1_epi32(32 * x->half_qsum[1]));
+                __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(first, scale0), _mm512_mullo_epi32(second, scale1));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x->d)), acc[r]);
+            }
+            continue;
         }
         const uint8_t *params = tile + (bits == 4 ? 256 : 512);
         const __m512 scale = halves(params);
@@ -131,41 +165,50 @@ TARGET static inline __m256i ps_to_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-/* out[rows, out_features] = x[rows, in_features] @ w.T, out in bf16 or fp32. Returns 0, or -1
- * where memory ran out. */
+/* out[rows, out_features] = x[rows, in_features] @ w.T, out in bf16 or fp32. Returns 0, -1
+ * where memory ran out, -2 for a header that does not describe out_features. */
 TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *x, void *out, int64_t rows,
                                 int64_t in_features, int64_t out_features, int out_fp32, int threads) {
     const int64_t groups = in_features / GROUP, columns = out_features / TILE_OUT;
+    int64_t parts = 1, part_bits[MAX_PARTS] = {bits}, part_end[MAX_PARTS] = {columns};
+    const uint8_t *part_tiles[MAX_PARTS] = {tiles};
+    if (bits == 0) { /* stacked parts: see the header's description above */
+        const int64_t *header = (const int64_t *)tiles;
+        parts = header[0];
+        if (parts < 1 || parts > MAX_PARTS) return -2;
+        const uint8_t *at = tiles + HEADER_BYTES;
+        for (int64_t p = 0; p < parts; p++) {
+            part_bits[p] = header[1 + 2 * p];
+            part_end[p] = (p ? part_end[p - 1] : 0) + header[2 + 2 * p] / TILE_OUT;
+            part_tiles[p] = at;
+            at += (part_end[p] - (p ? part_end[p - 1] : 0)) * groups * saguaro_tile_bytes((int)part_bits[p]);
+        }
+        if (part_end[parts - 1] != columns) return -2;
+    }
     QuantizedGroup *xq = malloc(sizeof(QuantizedGroup) * (size_t)(rows * groups + 1));
     if (!xq) return -1;
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in_features, groups, xq + r * groups);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t column = 0; column < columns; column++) {
-        const uint8_t *tiles_of_column = tiles + column * groups * saguaro_tile_bytes(bits);
+        int64_t p = 0;
+        while (column >= part_end[p]) p++;
+        const int b = (int)part_bits[p];
+        const int64_t first_column = p ? part_end[p - 1] : 0;
+        const uint8_t *tiles_of_column = part_tiles[p] + (column - first_column) * groups * saguaro_tile_bytes(b);
         for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
             const int R = rows - r0 < MAX_ROWS ? (int)(rows - r0) : MAX_ROWS;
             const QuantizedGroup *xr = xq + r0 * groups;
             float result[MAX_ROWS * TILE_OUT];
             /* constant widths and row counts, so each case keeps its sums in registers */
 #define CASE(B, N) tile_column(B, N, tiles_of_column, xr, groups, result)
-            switch (bits * 16 + R) {
-                case 4 * 16 + 8: CASE(4, 8); break;
-                case 4 * 16 + 7: CASE(4, 7); break;
-                case 4 * 16 + 6: CASE(4, 6); break;
-                case 4 * 16 + 5: CASE(4, 5); break;
-                case 4 * 16 + 4: CASE(4, 4); break;
-                case 4 * 16 + 3: CASE(4, 3); break;
-                case 4 * 16 + 2: CASE(4, 2); break;
-                case 4 * 16 + 1: CASE(4, 1); break;
-                case 8 * 16 + 8: CASE(8, 8); break;
-                case 8 * 16 + 7: CASE(8, 7); break;
-                case 8 * 16 + 6: CASE(8, 6); break;
-                case 8 * 16 + 5: CASE(8, 5); break;
-                case 8 * 16 + 4: CASE(8, 4); break;
-                case 8 * 16 + 3: CASE(8, 3); break;
-                case 8 * 16 + 2: CASE(8, 2); break;
-                default: CASE(8, 1); break;
+#define ROWS_OF(B) \
+            switch (R) { \
+                case 8: CASE(B, 8); break; case 7: CASE(B, 7); break; case 6: CASE(B, 6); break; \
+                case 5: CASE(B, 5); break; case 4: CASE(B, 4); break; case 3: CASE(B, 3); break; \
+                case 2: CASE(B, 2); break; default: CASE(B, 1); break; \
             }
+            if (b == 4) { ROWS_OF(4) } else if (b == 6) { ROWS_OF(6) } else { ROWS_OF(8) }
+#undef ROWS_OF
 #undef CASE
             for (int r = 0; r < R; r++) {
                 const __m512 v = _mm512_loadu_ps(result + r * TILE_OUT);
