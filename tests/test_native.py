@@ -31,8 +31,8 @@ def random_weights(out_features: int, in_features: int, bits: int, seed: int = 0
     gen = torch.Generator().manual_seed(seed)
     groups = in_features // GROUP
     scales = fp16_exact(torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3)
-    if bits == 4:
-        codes = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8)
+    if bits in (4, 5):
+        codes = torch.randint(0, 2 ** bits, (out_features, in_features), generator=gen, dtype=torch.uint8)
         return codes, scales, fp16_exact(-torch.rand(out_features, groups, generator=gen) * 0.2)
     return torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8), scales, None
 
@@ -65,10 +65,11 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def pack(bits, codes, scales, lows):
-    return native.pack4(codes, scales, lows) if bits == 4 else native.pack8(codes, scales)
+    return {4: native.pack4, 5: native.pack5}[bits](codes, scales, lows) if lows is not None else \
+        native.pack8(codes, scales)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (16, 32)], ids=str)
 def test_group_products_compute_the_documented_arithmetic(bits, shape):
     codes, scales, lows = random_weights(*shape, bits)
@@ -84,7 +85,7 @@ def test_group_products_compute_the_documented_arithmetic(bits, shape):
     assert relative_error(wrong, kernel_arithmetic(x, codes, scales, lows)) > 0.1
 
 
-@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(bits):
     tiles = native_tiles(random_q6(960, 768))[1] if bits == 6 else pack(bits, *random_weights(960, 768, bits))
     x = torch.randn(300, 768).bfloat16()

@@ -104,8 +104,10 @@ def test_modes_are_checked():
 # hidden 256 and intermediate 512: the K-quants' 256-weight blocks run along every input.
 KQUANT_SIZE = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
+TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K]
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+NATIVE_BITS = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6}  # types only saguaro's kernels run undequantized
+K_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # gguf-py cannot quantize to these
 TOKENS = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
 
 
@@ -113,9 +115,11 @@ def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator, size:
     """K-quant blocks with random codes and sub-scales (gguf-py cannot quantize to them): the
     fp16 super-block scales are set so the weights come out of order 0.1 * size."""
     blocks = rows * cols // 256
-    if kind == Q.Q4_K:  # d, dmin (fp16), 12 bytes of six-bit scales and mins, 128 bytes of codes
-        raw = rng.integers(0, 256, (blocks, 144), dtype=np.uint8)
-        raw[:, 0:4] = np.array([2e-4 * size, 2e-4 * size], dtype=np.float16).view(np.uint8)
+    if kind in (Q.Q4_K, Q.Q5_K):  # d, dmin (fp16), 12 bytes of six-bit scales and mins, (Q5_K: 32 bytes
+        # of top bits,) 128 bytes of codes
+        raw = rng.integers(0, 256, (blocks, 144 if kind == Q.Q4_K else 176), dtype=np.uint8)
+        d = 2e-4 * size if kind == Q.Q4_K else 1e-4 * size
+        raw[:, 0:4] = np.array([d, d], dtype=np.float16).view(np.uint8)
     else:  # Q6_K: 128 + 64 bytes of codes, 16 int8 scales, d (fp16)
         raw = rng.integers(0, 256, (blocks, 210), dtype=np.uint8)
         raw[:, 208:210] = np.array([2e-5 * size], dtype=np.float16).view(np.uint8)
@@ -128,7 +132,7 @@ def projection_blocks(source, kind: Q) -> dict[str, tuple[np.ndarray, Q]]:
     out = {}
     for name, array in gguf_tensors(source, "llama").items():
         if array.ndim == 2 and name.startswith("blk."):
-            blocks = random_blocks(kind, *array.shape, rng) if kind in (Q.Q4_K, Q.Q6_K) else \
+            blocks = random_blocks(kind, *array.shape, rng) if kind in K_TYPES else \
                 gguf.quants.quantize(array, kind)
             out[name] = (blocks, kind)
     return out
@@ -161,14 +165,14 @@ def test_every_gguf_type_loads_as_its_dequantized_weights(files, source):
         assert max_diff(unquantized, expected) > 1e-3
 
 
-def test_4_and_6_bit_blocks_run_with_their_own_codes(files):
+def test_4_5_and_6_bit_blocks_run_with_their_own_codes(files):
     kind, file, reference = files
     model = loader.load_model(file, torch.bfloat16)
     projections = [m for name, m in model.named_modules() if name.endswith("_proj")]
     assert all(isinstance(m, Int4Linear) for m in projections) == (kind in INT4_TYPES)
-    six_bits = native.available() and kind == Q.Q6_K
-    assert all(isinstance(m, GroupLinear) and m.bits == 6 for m in projections) == six_bits
-    if kind in INT4_TYPES or six_bits:
+    native_bits = native.available() and kind in NATIVE_BITS
+    assert all(isinstance(m, GroupLinear) and m.bits == NATIVE_BITS.get(kind) for m in projections) == native_bits
+    if kind in INT4_TYPES or native_bits:
         expected = saguaro_logits(loader.load_model(reference), TOKENS)
         assert max_diff(saguaro_logits(model, TOKENS), expected) < 0.05 * expected.abs().max()
 
@@ -206,7 +210,7 @@ def test_a_q4_k_m_file_runs_entirely_on_saguaros_kernels(source, tmp_path):
     assert max_diff(other, expected) > tolerance
 
 
-@pytest.mark.parametrize("kind", INT4_TYPES + (Q.Q6_K,), ids=lambda kind: kind.name)
+@pytest.mark.parametrize("kind", INT4_TYPES + tuple(NATIVE_BITS), ids=lambda kind: kind.name)
 def test_grouped_codes_reproduce_the_gguf_dequantization_exactly(kind, source, tmp_path):
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
     for tensor in gguf.GGUFReader(str(file)).tensors:

@@ -17,8 +17,8 @@ from saguaro.models.gguf_file import GGUFFile, read_gguf_file
 from saguaro.models.hub import cache_dir
 from saguaro.models.llama import LlamaModel, rope_inv_freq
 from saguaro.models.packed import pack_linears
-from saguaro.models.quantized import (GROUP, GroupCodes, GroupInt4, GroupInt6, GroupInt8, StackedCodes, check_mode,
-                                      quantized_linear)
+from saguaro.models.quantized import (GROUP, GroupCodes, GroupInt4, GroupInt5, GroupInt6, GroupInt8, StackedCodes,
+                                      check_mode, quantized_linear)
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -161,9 +161,29 @@ def _q6_k(blocks: np.ndarray, out_features: int, in_features: int) -> GroupInt6:
                      torch.from_numpy(sub_scales.reshape(out_features, in_features // 16).copy()))
 
 
-def gguf_groups(tensor) -> GroupInt4 | GroupInt6 | GroupInt8 | None:
-    """A Q4_0 / Q4_1 / Q4_K / Q8_0 tensor's own codes, scales and offsets per group of 32 weights
-    (ggml's block layouts); None for other types."""
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's per-32 scales and lows: fp16 d and dmin, then 8 six-bit scales and mins in
+    12 bytes. [blocks, 8] each."""
+    d, dmin, packed = _halves(blocks, 0), _halves(blocks, 2), blocks[:, 4:16].astype(np.uint16)
+    low6 = packed[:, 0:4] & 0x3F, packed[:, 4:8] & 0x3F
+    high = (packed[:, 8:12] & 0x0F) | ((packed[:, 0:4] >> 6) << 4), (packed[:, 8:12] >> 4) | ((packed[:, 4:8] >> 6) << 4)
+    sub_scales = np.concatenate([low6[0], high[0]], axis=1).astype(np.float32)
+    sub_mins = np.concatenate([low6[1], high[1]], axis=1).astype(np.float32)
+    return d[:, None] * sub_scales, -(dmin[:, None] * sub_mins)
+
+
+def _top_bits(bits: np.ndarray, count: int) -> np.ndarray:
+    """Q5_0 / Q5_1's 32-bit field of top bits (bit e for weight e) -> [blocks, count] of 0 or 16."""
+    return ((np.ascontiguousarray(bits).view(np.uint32)[:, :1] >> np.arange(count, dtype=np.uint32)) & 1).astype(
+        np.uint8) << 4
+
+
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176}
+
+
+def gguf_groups(tensor) -> GroupCodes | None:
+    """A Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 tensor's own codes, scales and
+    offsets (ggml's block layouts); None for other types."""
     from gguf import GGMLQuantizationType as Q
 
     kind = tensor.tensor_type
@@ -175,26 +195,28 @@ def gguf_groups(tensor) -> GroupInt4 | GroupInt6 | GroupInt8 | None:
                          torch.from_numpy(_halves(blocks, 0).reshape(out_features, in_features // GROUP)))
     if kind == Q.Q6_K:
         return _q6_k(np.asarray(tensor.data, dtype=np.uint8).reshape(-1, 210), out_features, in_features)
-    if kind not in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
+    if kind.name not in BLOCK_BYTES:
         return None
-    block_bytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144}[kind]
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, block_bytes)
-    if kind == Q.Q4_K:  # 256 weights: fp16 d, dmin; 8 six-bit scales and mins; 128 bytes of codes
-        d, dmin, packed = _halves(blocks, 0), _halves(blocks, 2), blocks[:, 4:16].astype(np.uint16)
-        low6 = packed[:, 0:4] & 0x3F, packed[:, 4:8] & 0x3F
-        high = (packed[:, 8:12] & 0x0F) | ((packed[:, 0:4] >> 6) << 4), (packed[:, 8:12] >> 4) | ((packed[:, 4:8] >> 6) << 4)
-        sub_scales = np.concatenate([low6[0], high[0]], axis=1).astype(np.float32)
-        sub_mins = np.concatenate([low6[1], high[1]], axis=1).astype(np.float32)
-        scales, lows = d[:, None] * sub_scales, -(dmin[:, None] * sub_mins)
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, BLOCK_BYTES[kind.name])
+    if kind == Q.Q4_K:  # 256 weights: scales (12 bytes after d, dmin), 128 bytes of codes
+        scales, lows = _k_scales(blocks)
         codes = _nibbles(blocks[:, 16:].reshape(-1, 4, 32))  # 4 chunks of 64 weights
-    else:  # 32 weights: fp16 d (Q4_1: and fp16 m), 16 bytes of codes
+    elif kind == Q.Q5_K:  # as Q4_K, with 32 bytes of top bits (bit 2c + h of byte l: chunk c, half h)
+        scales, lows = _k_scales(blocks)
+        top = (blocks[:, 16:48, None, None] >> (2 * np.arange(4)[:, None] + np.arange(2)).astype(np.uint8)) & 1
+        codes = _nibbles(blocks[:, 48:].reshape(-1, 4, 32)) | (top.transpose(0, 2, 3, 1) << 4)
+    else:  # 32 weights: fp16 d (Q4_1 / Q5_1: and fp16 m), Q5: 4 bytes of top bits; 16 bytes of codes
         scales = _halves(blocks, 0)[:, None]
-        lows = _halves(blocks, 2)[:, None] if kind == Q.Q4_1 else -8 * scales
-        codes = _nibbles(blocks[:, -16:])
+        offset = -(16 if kind == Q.Q5_0 else 8) * scales
+        lows = _halves(blocks, 2)[:, None] if kind in (Q.Q4_1, Q.Q5_1) else offset
+        codes = _nibbles(blocks[:, -16:]).reshape(-1, 32)
+        if kind in (Q.Q5_0, Q.Q5_1):
+            codes = codes | _top_bits(blocks[:, -20:-16], 32)
     groups = in_features // GROUP
-    return GroupInt4(torch.from_numpy(np.ascontiguousarray(codes.reshape(out_features, in_features))),
-                     torch.from_numpy(np.ascontiguousarray(scales.reshape(out_features, groups))),
-                     torch.from_numpy(np.ascontiguousarray(lows.reshape(out_features, groups))))
+    group_type = GroupInt5 if kind in (Q.Q5_0, Q.Q5_1, Q.Q5_K) else GroupInt4
+    return group_type(torch.from_numpy(np.ascontiguousarray(codes.reshape(out_features, in_features))),
+                      torch.from_numpy(np.ascontiguousarray(scales.reshape(out_features, groups))),
+                      torch.from_numpy(np.ascontiguousarray(lows.reshape(out_features, groups))))
 
 
 def _unpermute_rope(weight: torch.Tensor | GroupCodes, n_head: int) -> torch.Tensor | GroupCodes:
@@ -265,7 +287,7 @@ def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dic
 def _cat(parts: list) -> torch.Tensor | GroupCodes | StackedCodes:
     """Stacks projections' rows, keeping their codes where every part has them (as one kind, or
     as stacked parts of several)."""
-    for kind in (GroupInt4, GroupInt6, GroupInt8):
+    for kind in (GroupInt4, GroupInt5, GroupInt6, GroupInt8):
         if all(type(p) is kind for p in parts):
             return kind.cat(parts)
     if all(isinstance(p, GroupCodes) for p in parts):
@@ -286,7 +308,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCod
         model = LlamaModel(config)
     state = fuse_hf_state(config, hf_state)
     quantized = {}
-    head = ["lm_head.weight"] if mode == "auto" and isinstance(state.get("lm_head.weight"), (GroupInt8, GroupInt6)) else []
+    head = ["lm_head.weight"] if mode == "auto" and isinstance(state.get("lm_head.weight"), (GroupInt5, GroupInt6, GroupInt8)) else []
     for name in [n for n in state if n.startswith("layers.") and n.endswith("_proj.weight")] + head:
         module = name.removesuffix(".weight")
         bias = state.get(f"{module}.bias")

@@ -64,12 +64,22 @@ class GroupInt8(GroupCodes):
 
 
 @dataclass
-class GroupInt4(GroupCodes):
-    """Codes 0..15 (uint8), w = code * scale + low: Q4_0, Q4_1, Q4_K."""
+class GroupAffine(GroupCodes):
+    """Unsigned codes, w = code * scale + low."""
     lows: torch.Tensor  # [out, in / GROUP] fp32
 
     def dequantize(self) -> torch.Tensor:
         return super().dequantize() + self.lows.repeat_interleave(GROUP, dim=1)
+
+
+@dataclass
+class GroupInt5(GroupAffine):
+    """Codes 0..31 (uint8): Q5_0, Q5_1, Q5_K."""
+
+
+@dataclass
+class GroupInt4(GroupAffine):
+    """Codes 0..15 (uint8): Q4_0, Q4_1, Q4_K."""
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> GroupInt4:
@@ -112,6 +122,8 @@ def native_tiles(weights: GroupCodes | StackedCodes) -> tuple[int, torch.Tensor]
         return 0, native.stack_parts([native_tiles(p) for p in weights.parts])
     if isinstance(weights, GroupInt4):
         return 4, native.pack4(weights.codes, weights.scales, weights.lows)
+    if isinstance(weights, GroupInt5):
+        return 5, native.pack5(weights.codes, weights.scales, weights.lows)
     if isinstance(weights, GroupInt6):
         return 6, native.pack6(weights.codes, weights.sub_scales, weights.scales)
     return 8, native.pack8(weights.codes, weights.scales)
@@ -183,12 +195,12 @@ class Int4Linear(QuantizedLinear):
 
 
 class GroupLinear(QuantizedLinear):
-    """Weights held as Q8_0 or Q6_K groups, or stacked parts of several types (saguaro's kernels
-    only). A head's logits come out in fp32."""
+    """Weights held as Q5, Q6_K or Q8_0 groups, or stacked parts of several types (saguaro's
+    kernels only). A head's logits come out in fp32."""
 
     native = True
 
-    def __init__(self, weights: GroupInt8 | GroupInt6 | StackedCodes, bias: torch.Tensor | None, dtype: torch.dtype,
+    def __init__(self, weights: GroupInt5 | GroupInt6 | GroupInt8 | StackedCodes, bias: torch.Tensor | None, dtype: torch.dtype,
                  out_dtype: torch.dtype | None = None):
         super().__init__(*weights.shape, bias)
         self.compute_dtype, self.out_dtype = dtype, out_dtype or dtype
@@ -237,7 +249,7 @@ def quantized_linear(weight: torch.Tensor | GroupCodes | StackedCodes, bias: tor
     out_features, in_features = weight.shape
     if mode == "int8":
         return Int8Linear(weight if isinstance(weight, torch.Tensor) else weight.dequantize(), bias, dtype)
-    if isinstance(weight, (GroupInt8, GroupInt6, StackedCodes)):
+    if isinstance(weight, (GroupInt5, GroupInt6, GroupInt8, StackedCodes)):
         parts = weight.parts if isinstance(weight, StackedCodes) else [weight]
         if mode == "auto" and native.available() and all(native.fits(*p.shape) for p in parts):
             return GroupLinear(weight, bias, dtype, out_dtype)

@@ -129,6 +129,19 @@ def pack8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.cat([chunks, _halves(scales)], dim=-1).contiguous()
 
 
+def pack5(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1 / Q5_K: codes [out, in] 0..31, scales and lows [out, in / 32] -> tiles of 384
+    bytes (group_matmul.c): pack4's record of the low four bits, with the top bits inserted."""
+    out_features, in_features = codes.shape
+    columns, groups = out_features // TILE_OUT, in_features // GROUP
+    low4 = pack4(codes & 15, scales, lows)
+    # [column, output j, group, half s, chunk u, t] -> [column, group, j, t, u, s]: bit 2u + s
+    top = (codes >> 4).reshape(columns, TILE_OUT, groups, 2, 4, 4).permute(0, 2, 1, 5, 4, 3).to(torch.uint8)
+    shifts = (2 * torch.arange(4)[:, None] + torch.arange(2)).to(torch.uint8)
+    tops = (top << shifts).sum((4, 5), dtype=torch.uint8).reshape(columns, groups, 64)
+    return torch.cat([low4[..., :256], tops, low4[..., 256:]], dim=-1).contiguous()
+
+
 def pack6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Q6_K: codes [out, in] -32..31, scales [out, in / 16] int8 (one per half group), d [out,
     in / 256] fp16 -> tiles of 448 bytes (group_matmul.c)."""

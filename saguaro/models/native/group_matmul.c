@@ -14,6 +14,9 @@
  * A tile is 16 outputs x 32 inputs, stored as one record (packing: saguaro/models/native/__init__.py):
  *  - 4-bit, 320 bytes: 4 chunks of 64 code bytes, where byte 4j + t of chunk u holds output j's
  *    codes for inputs 4u + t (low nibble) and 16 + 4u + t (high nibble); 16 fp16 scales; 16 fp16 lows.
+ *  - 5-bit (Q5_0, Q5_1, Q5_K), 384 bytes: the 4-bit record's chunks hold the codes' (0..31) low
+ *    four bits; then 64 bytes of their top bits, byte 4j + t holding at bit 2u + s that of chunk
+ *    u's half s; then 16 fp16 scales and 16 fp16 lows, as in the 4-bit record.
  *  - 6-bit (Q6_K), 448 bytes: the 4-bit record's chunks hold the codes' (code + 32, so 0..63) low
  *    four bits; then 2 chunks of 64 bytes with their top two bits, byte 4j + t of chunk h holding
  *    at bit 4v + 2s those of chunk u = 2h + v's half s (s = 0: low nibble); then 32 int8 scales,
@@ -46,7 +49,7 @@ int saguaro_cpu_supported(void) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
-int64_t saguaro_tile_bytes(int bits) { return bits == 4 ? 320 : bits == 6 ? 448 : 544; }
+int64_t saguaro_tile_bytes(int bits) { return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : 544; }
 
 /* One row's group of activations, rounded to 8 bits. */
 typedef struct {
@@ -105,11 +108,17 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         const int second_chain = bits == 6 || R <= 4; /* 6-bit: one chain per half, scaled apart */
         __m512i dots[MAX_ROWS][2];
         for (int r = 0; r < R; r++) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
-        if (bits == 4 || bits == 6) {
+        if (bits == 4 || bits == 5 || bits == 6) {
             for (int u = 0; u < 4; u++) {
                 __m512i w = _mm512_loadu_si512((const void *)(tile + 64 * u));
                 __m512i first = _mm512_and_si512(w, nibble);
                 __m512i second = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+                if (bits == 5) {
+                    const __m512i one = _mm512_set1_epi8(0x01);
+                    __m512i top = _mm512_srli_epi16(_mm512_loadu_si512((const void *)(tile + 256)), 2 * u);
+                    first = _mm512_or_si512(first, _mm512_slli_epi16(_mm512_and_si512(top, one), 4));
+                    second = _mm512_or_si512(second, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, 1), one), 4));
+                }
                 if (bits == 6) {
                     const __m512i two = _mm512_set1_epi8(0x03);
                     __m512i top = _mm512_loadu_si512((const void *)(tile + 256 + 64 * (u >> 1)));
@@ -144,14 +153,14 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             }
             continue;
         }
-        const uint8_t *params = tile + (bits == 4 ? 256 : 512);
+        const uint8_t *params = tile + (bits == 4 ? 256 : bits == 5 ? 320 : 512);
         const __m512 scale = halves(params);
         for (int r = 0; r < R; r++) {
             const QuantizedGroup *x = xq + r * groups + g;
             __m512i dot = second_chain ? _mm512_add_epi32(dots[r][0], dots[r][1]) : dots[r][0];
             if (bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->qsum));  /* the codes' +128 */
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(x->d)), acc[r]);
-            if (bits == 4) acc[r] = _mm512_fmadd_ps(halves(params + 32), _mm512_set1_ps(x->d_qsum), acc[r]);
+            if (bits == 4 || bits == 5) acc[r] = _mm512_fmadd_ps(halves(params + 32), _mm512_set1_ps(x->d_qsum), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(sums_out + r * TILE_OUT, acc[r]);
@@ -207,7 +216,7 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
                 case 5: CASE(B, 5); break; case 4: CASE(B, 4); break; case 3: CASE(B, 3); break; \
                 case 2: CASE(B, 2); break; default: CASE(B, 1); break; \
             }
-            if (b == 4) { ROWS_OF(4) } else if (b == 6) { ROWS_OF(6) } else { ROWS_OF(8) }
+            if (b == 4) { ROWS_OF(4) } else if (b == 5) { ROWS_OF(5) } else if (b == 6) { ROWS_OF(6) } else { ROWS_OF(8) }
 #undef ROWS_OF
 #undef CASE
             for (int r = 0; r < R; r++) {
