@@ -210,6 +210,32 @@ def test_a_q4_k_m_file_runs_entirely_on_saguaros_kernels(source, tmp_path):
     assert max_diff(other, expected) > tolerance
 
 
+@pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+def test_greedy_sd_and_ssd_equal_ar_on_a_q4_k_m_file(source, tmp_path):
+    """Batch invariance on the mixed kernels: K + 1 = 4 tokens verified in one pass give AR's."""
+    from drafts import InProcessDraft, sd_decoder, ssd_decoder, worker_config
+    from saguaro import SamplingParams
+    from saguaro.engine.sequence import Sequence
+    from saguaro.speculation.build import ar_decoder
+
+    target = loader.load_model(q4_k_m_files(source, tmp_path)[0], torch.bfloat16)
+    draft_file = q4_k_m_files(source, tmp_path, seed=1)[0]
+    draft = loader.load_model(draft_file, torch.bfloat16)
+
+    def greedy(decoder) -> list[list[int]]:
+        seqs = [Sequence(i, TOKENS[i:i + 8], SamplingParams(temperature=0, max_tokens=24), []) for i in range(4)]
+        decoder.reserve(len(seqs), 8 + 24 + decoder.lookahead)
+        decoder.prefill(seqs)
+        while active := [s for s in seqs if not s.finished]:
+            decoder.step(active)
+        return [s.output_ids for s in seqs]
+
+    reference = greedy(ar_decoder(target))
+    assert greedy(sd_decoder(target, draft, 3)) == reference
+    client = InProcessDraft(worker_config(str(draft_file), "bfloat16", 3, [1, 1, 1, 1]), None)
+    assert greedy(ssd_decoder(target, client, "neural")) == reference
+
+
 @pytest.mark.parametrize("kind", INT4_TYPES + tuple(NATIVE_BITS), ids=lambda kind: kind.name)
 def test_grouped_codes_reproduce_the_gguf_dequantization_exactly(kind, source, tmp_path):
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
