@@ -11,7 +11,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from saguaro.models import loader, native
-from saguaro.models.quantized import GROUP, GroupInt4, GroupLinear, Int4Linear, Int8Linear, check_mode
+from saguaro.models.quantized import GROUP, GroupInt4, GroupLinear, Int4Linear, Int8Linear, check_mode, native_tiles
 from test_gguf import gguf_tensors, max_diff, saguaro_logits, write_gguf
 
 SHAPES = [(960, 576), (576, 1536), (64, 32)]  # SmolLM2's qkv and down projections, and a tiny one
@@ -171,7 +171,8 @@ def test_4_5_and_6_bit_blocks_run_with_their_own_codes(files):
     projections = [m for name, m in model.named_modules() if name.endswith("_proj")]
     assert all(isinstance(m, Int4Linear) for m in projections) == (kind in INT4_TYPES)
     native_bits = native.available() and kind in NATIVE_BITS
-    assert all(isinstance(m, GroupLinear) and m.bits == NATIVE_BITS.get(kind) for m in projections) == native_bits
+    # (fused projections read their parts from the file's blocks: bits 0, a stack of parts)
+    assert all(isinstance(m, GroupLinear) and m.bits in (0, NATIVE_BITS.get(kind)) for m in projections) == native_bits
     if kind in INT4_TYPES or native_bits:
         expected = saguaro_logits(loader.load_model(reference), TOKENS)
         assert max_diff(saguaro_logits(model, TOKENS), expected) < 0.05 * expected.abs().max()
@@ -234,6 +235,24 @@ def test_greedy_sd_and_ssd_equal_ar_on_a_q4_k_m_file(source, tmp_path):
     assert greedy(sd_decoder(target, draft, 3)) == reference
     client = InProcessDraft(worker_config(str(draft_file), "bfloat16", 3, [1, 1, 1, 1]), None)
     assert greedy(ssd_decoder(target, client, "neural")) == reference
+
+
+@pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+@pytest.mark.parametrize("kind", INT4_TYPES + tuple(NATIVE_BITS) + (Q.Q8_0,), ids=lambda kind: kind.name)
+def test_tiles_repacked_from_the_file_are_those_of_the_decoded_codes(kind, source, tmp_path):
+    """repack.c reads the blocks where the file maps them; the same bytes as packing the codes
+    gguf_groups decodes (checked against gguf-py below), also in another row order; its
+    dequantized rows are gguf-py's."""
+    file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
+    tensor = next(t for t in gguf.GGUFReader(str(file)).tensors if t.tensor_type == kind)
+    blocks, groups = loader.file_blocks(tensor), loader.gguf_groups(tensor)
+    assert torch.equal(blocks.tiles(), native_tiles(groups)[1])
+    order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
+    assert torch.equal(blocks.rows(order).tiles(), native_tiles(groups.rows(order))[1])
+    expected = torch.from_numpy(np.asarray(loader.dequantize_gguf(tensor), dtype=np.float32))
+    torch.testing.assert_close(blocks.dequantize(), expected, rtol=1e-6, atol=0)
+    # Control: the tiles of the rows in file order are not those of the reordered rows.
+    assert not torch.equal(blocks.tiles(), native_tiles(groups.rows(order))[1])
 
 
 @pytest.mark.parametrize("kind", INT4_TYPES + tuple(NATIVE_BITS), ids=lambda kind: kind.name)

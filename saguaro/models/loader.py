@@ -17,8 +17,8 @@ from saguaro.models.gguf_file import GGUFFile, read_gguf_file
 from saguaro.models.hub import cache_dir
 from saguaro.models.llama import LlamaModel, rope_inv_freq
 from saguaro.models.packed import pack_linears
-from saguaro.models.quantized import (GROUP, GroupCodes, GroupInt4, GroupInt5, GroupInt6, GroupInt8, StackedCodes,
-                                      check_mode, quantized_linear)
+from saguaro.models.quantized import (GROUP, FileBlocks, GroupCodes, GroupInt4, GroupInt5, GroupInt6, GroupInt8,
+                                      StackedCodes, check_mode, quantized_linear)
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -219,11 +219,21 @@ def gguf_groups(tensor) -> GroupCodes | None:
                       torch.from_numpy(np.ascontiguousarray(lows.reshape(out_features, groups))))
 
 
-def _unpermute_rope(weight: torch.Tensor | GroupCodes, n_head: int) -> torch.Tensor | GroupCodes:
+def file_blocks(tensor) -> FileBlocks | None:
+    """A tensor of a type saguaro's kernels read, left in the mapped file (see FileBlocks)."""
+    kind = int(tensor.tensor_type)
+    if not native.type_bits(kind):
+        return None
+    out_features, in_features = (int(n) for n in reversed(tensor.shape))
+    return FileBlocks(kind, np.asarray(tensor.data).reshape(out_features, -1), torch.Size((out_features, in_features)),
+                      lambda: gguf_groups(tensor))
+
+
+def _unpermute_rope(weight: torch.Tensor | GroupCodes | FileBlocks, n_head: int) -> torch.Tensor | GroupCodes | FileBlocks:
     """Undoes llama.cpp's reordering of q/k rows (interleaved rope) back to rotate-half order."""
     rows = weight.shape[0]
     order = torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
-    return weight.rows(order) if isinstance(weight, GroupCodes) else weight[order]
+    return weight.rows(order) if isinstance(weight, (GroupCodes, FileBlocks)) else weight[order]
 
 
 def gguf_tensor_name(gguf_name: str) -> str | None:
@@ -251,7 +261,7 @@ def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupCo
         if name is None:
             continue
         grouped = name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
-        weight = gguf_groups(tensor) if grouped else None
+        weight = file_blocks(tensor) if grouped else None
         if weight is None:
             weight = torch.from_numpy(np.array(dequantize_gguf(tensor), dtype=np.float32))
         # Only the "llama" architecture stores q/k rows in llama.cpp's interleaved order.
@@ -286,16 +296,28 @@ def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dic
 
 def _cat(parts: list) -> torch.Tensor | GroupCodes | StackedCodes:
     """Stacks projections' rows, keeping their codes where every part has them (as one kind, or
-    as stacked parts of several)."""
+    as stacked parts of several, which blocks still in the file always are)."""
     for kind in (GroupInt4, GroupInt5, GroupInt6, GroupInt8):
         if all(type(p) is kind for p in parts):
             return kind.cat(parts)
-    if all(isinstance(p, GroupCodes) for p in parts):
+    if all(isinstance(p, (GroupCodes, FileBlocks)) for p in parts):
         merged = [parts[0]]  # neighbours of one kind become one part
         for part in parts[1:]:
-            merged[-1:] = [type(part).cat([merged[-1], part])] if type(part) is type(merged[-1]) else [merged[-1], part]
+            same = type(part) is type(merged[-1]) and not isinstance(part, FileBlocks)
+            merged[-1:] = [type(part).cat([merged[-1], part])] if same else [merged[-1], part]
         return StackedCodes(merged)
     return torch.cat([p.dequantize() if isinstance(p, GroupCodes) else p for p in parts])
+
+
+def not_4_bit(weight) -> bool:
+    """Codes of 5 to 8 bits: a head saguaro's kernels run (a 4-bit head is dequantized)."""
+    return isinstance(weight, (GroupInt5, GroupInt6, GroupInt8)) or isinstance(weight, FileBlocks) and weight.bits > 4
+
+
+def plain_weights(weight: torch.Tensor | GroupCodes | FileBlocks | StackedCodes, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(weight, FileBlocks):
+        return weight.dequantize(dtype)
+    return (weight if isinstance(weight, torch.Tensor) else weight.dequantize()).to(dtype)
 
 
 def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCodes], dtype: torch.dtype,
@@ -308,7 +330,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCod
         model = LlamaModel(config)
     state = fuse_hf_state(config, hf_state)
     quantized = {}
-    head = ["lm_head.weight"] if mode == "auto" and isinstance(state.get("lm_head.weight"), (GroupInt5, GroupInt6, GroupInt8)) else []
+    head = ["lm_head.weight"] if mode == "auto" and not_4_bit(state.get("lm_head.weight")) else []
     for name in [n for n in state if n.startswith("layers.") and n.endswith("_proj.weight")] + head:
         module = name.removesuffix(".weight")
         bias = state.get(f"{module}.bias")
@@ -318,7 +340,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCod
             quantized[module] = layer
             del state[name]
             state.pop(f"{module}.bias", None)
-    state = {k: (v.dequantize() if isinstance(v, (GroupCodes, StackedCodes)) else v).to(dtype) for k, v in state.items()}
+    state = {k: plain_weights(v, dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - {f"{m}.{kind}" for m in quantized for kind in ("weight", "bias")}:
         raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")

@@ -16,8 +16,10 @@ torch's int4 kernel.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -103,23 +105,75 @@ class GroupInt6(GroupCodes):
 
 
 @dataclass
+class FileBlocks:
+    """A GGUF tensor's blocks where the file holds them (mapped, not copied): saguaro's kernels
+    repack them into tiles straight from there (native/repack.c), so a load never holds a
+    model's codes twice; `groups` decodes them (numpy) where torch's kernels need codes."""
+    type_id: int  # ggml's type
+    data: np.ndarray  # [rows, bytes per row] uint8, a view of the mapped file
+    shape: torch.Size  # [out, in]
+    groups_of_file: Callable[[], GroupCodes]  # the whole tensor's codes, in the file's row order
+    order: torch.Tensor | None = None  # output row r is the file's row order[r]
+
+    @property
+    def bits(self) -> int:
+        return native.type_bits(self.type_id)
+
+    def rows(self, index: torch.Tensor) -> FileBlocks:
+        return replace(self, order=index if self.order is None else self.order[index])
+
+    def groups(self) -> GroupCodes:
+        codes = self.groups_of_file()
+        return codes if self.order is None else codes.rows(self.order)
+
+    def tiles(self) -> torch.Tensor:
+        return native.repack(self.type_id, self.data, self.shape, self.order)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if native.available():
+            return native.dequantize_rows(self.type_id, self.data, self.shape, self.order, dtype)
+        return self.groups().dequantize().to(dtype)
+
+
+@dataclass
 class StackedCodes:
-    """Projections of different block types stacked along the outputs: a fused qkv whose v is
-    Q6_K and its q and k Q4_K, as in Q4_K_M files. saguaro's kernels run them as one."""
-    parts: list[GroupCodes]
+    """Projections stacked along the outputs whose kinds differ (a fused qkv whose v is Q6_K and
+    its q and k Q4_K, as in Q4_K_M files) or that stay in the file: saguaro's kernels run them as
+    one."""
+    parts: list[GroupCodes | FileBlocks]
 
     @property
     def shape(self) -> torch.Size:
         return torch.Size((sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]))
 
+    @property
+    def bits(self) -> int:
+        """The parts' width where it is one, else 0."""
+        widths = {part_bits(p) for p in self.parts}
+        return widths.pop() if len(widths) == 1 else 0
+
+    def groups(self) -> GroupCodes | torch.Tensor:
+        """Codes of one kind, or the dequantized weights where the kinds differ."""
+        parts = [p.groups() if isinstance(p, FileBlocks) else p for p in self.parts]
+        kinds = {type(p) for p in parts}
+        return kinds.pop().cat(parts) if len(kinds) == 1 else self.dequantize()
+
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])
 
 
-def native_tiles(weights: GroupCodes | StackedCodes) -> tuple[int, torch.Tensor]:
+def part_bits(weights: GroupCodes | FileBlocks) -> int:
+    if isinstance(weights, FileBlocks):
+        return weights.bits
+    return {GroupInt4: 4, GroupInt5: 5, GroupInt6: 6, GroupInt8: 8}[type(weights)]
+
+
+def native_tiles(weights: GroupCodes | FileBlocks | StackedCodes) -> tuple[int, torch.Tensor]:
     """(bits, tiles) as group_matmul.c reads them; bits 0 for stacked parts."""
     if isinstance(weights, StackedCodes):
         return 0, native.stack_parts([native_tiles(p) for p in weights.parts])
+    if isinstance(weights, FileBlocks):
+        return weights.bits, weights.tiles()
     if isinstance(weights, GroupInt4):
         return 4, native.pack4(weights.codes, weights.scales, weights.lows)
     if isinstance(weights, GroupInt5):
@@ -168,16 +222,20 @@ class QuantizedLinear(nn.Module):
 
 
 class Int4Linear(QuantizedLinear):
-    """Weights held as GroupInt4, computed by saguaro's kernel where it runs, else torch's."""
+    """4-bit weights (GroupInt4, or Q4 blocks of the file), computed by saguaro's kernel where it
+    runs, else torch's."""
 
-    def __init__(self, weights: GroupInt4, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, weights: GroupInt4 | FileBlocks | StackedCodes, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__(*weights.shape, bias)
         self.compute_dtype = dtype
         self.native = native.available() and native.fits(*weights.shape)
-        self.bits = 4 if self.native else None  # what decoder_layer.c reads (saguaro.models.native)
+        self.bits = None  # what decoder_layer.c reads (saguaro.models.native): 4, or 0 for parts
         if self.native:
-            self.register_buffer("packed", native_tiles(weights)[1], persistent=False)
+            self.bits, packed = native_tiles(weights)
+            self.register_buffer("packed", packed, persistent=False)
             return
+        if not isinstance(weights, GroupInt4):
+            weights = weights.groups()
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.codes.int(), 2),
                              persistent=False)
         # The kernel computes (code - 8) * scale + zero: the zero is the weight at code 8.
@@ -187,7 +245,7 @@ class Int4Linear(QuantizedLinear):
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return native.group_matmul(4, self.packed, rows, self.out_features)
+            return native.group_matmul(self.bits, self.packed, rows, self.out_features)
         return torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
 
     def extra_repr(self) -> str:
@@ -200,7 +258,7 @@ class GroupLinear(QuantizedLinear):
 
     native = True
 
-    def __init__(self, weights: GroupInt5 | GroupInt6 | GroupInt8 | StackedCodes, bias: torch.Tensor | None, dtype: torch.dtype,
+    def __init__(self, weights: GroupCodes | FileBlocks | StackedCodes, bias: torch.Tensor | None, dtype: torch.dtype,
                  out_dtype: torch.dtype | None = None):
         super().__init__(*weights.shape, bias)
         self.compute_dtype, self.out_dtype = dtype, out_dtype or dtype
@@ -243,21 +301,21 @@ def check_mode(quantization: str | None, dtype: torch.dtype, device: torch.devic
     return mode
 
 
-def quantized_linear(weight: torch.Tensor | GroupCodes | StackedCodes, bias: torch.Tensor | None, mode: str,
-                     dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> nn.Module | None:
+def quantized_linear(weight: torch.Tensor | GroupCodes | FileBlocks | StackedCodes, bias: torch.Tensor | None,
+                     mode: str, dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> nn.Module | None:
     """The quantized layer for one projection, or None where it stays a plain linear layer."""
     out_features, in_features = weight.shape
     if mode == "int8":
         return Int8Linear(weight if isinstance(weight, torch.Tensor) else weight.dequantize(), bias, dtype)
-    if isinstance(weight, (GroupInt5, GroupInt6, GroupInt8, StackedCodes)):
+    if isinstance(weight, (FileBlocks, StackedCodes)) and weight.bits == 4 or isinstance(weight, GroupInt4):
+        if mode in ("auto", "int4") and fits_int4(out_features, in_features):
+            return Int4Linear(weight, bias, dtype)
+    elif not isinstance(weight, torch.Tensor):  # 5, 6 and 8 bits, and parts of several widths
         parts = weight.parts if isinstance(weight, StackedCodes) else [weight]
         if mode == "auto" and native.available() and all(native.fits(*p.shape) for p in parts):
             return GroupLinear(weight, bias, dtype, out_dtype)
+    if not isinstance(weight, torch.Tensor):
         weight = weight.dequantize()
-    if not fits_int4(out_features, in_features):
-        return None
-    if isinstance(weight, GroupInt4) and mode in ("auto", "int4"):
-        return Int4Linear(weight, bias, dtype)
-    if mode == "int4":
+    if mode == "int4" and fits_int4(out_features, in_features):
         return Int4Linear(GroupInt4.from_float(weight), bias, dtype)
     return None

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("group_matmul.c", "decoder_layer.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("group_matmul.c", "decoder_layer.c", "repack.c")]
 GROUP = 32  # inputs per group: the block of Q4_0 / Q4_1 / Q8_0 and the sub-block of Q4_K
 TILE_OUT = 16  # outputs per tile; a tile covers GROUP inputs
 
@@ -83,6 +83,12 @@ def library() -> ctypes.CDLL | None:
     lib.saguaro_group_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.saguaro_group_matmul.restype = ctypes.c_int
+    lib.saguaro_repack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.saguaro_repack.restype = ctypes.c_int
+    lib.saguaro_dequantize_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.saguaro_dequantize_rows.restype = ctypes.c_int
     lib.saguaro_decoder_layer.argtypes = [ctypes.POINTER(LayerWeights), ctypes.c_void_p, ctypes.c_int64,
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -158,6 +164,46 @@ def pack6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.T
     per_group = d.repeat_interleave(256 // GROUP, dim=1)  # [out, groups]
     return torch.cat([nibbles, tops, halves.contiguous().view(torch.uint8).reshape(columns, groups, 32),
                       _halves(per_group)], dim=-1).contiguous()
+
+
+# ggml's type ids of the blocks repack.c reads, and the tiles' width for each
+TYPE_BITS = {2: 4, 3: 4, 12: 4, 6: 5, 7: 5, 13: 5, 14: 6, 8: 8}  # Q4_0 Q4_1 Q4_K, Q5_0 Q5_1 Q5_K, Q6_K, Q8_0
+TILE_BYTES = {4: 320, 5: 384, 6: 448, 8: 544}
+
+
+def type_bits(type_id: int) -> int:
+    """The tiles' width for a GGUF block type; 0 where the kernels do not read it."""
+    return TYPE_BITS.get(type_id, 0)
+
+
+def _row_order(order: torch.Tensor | None, rows: int) -> torch.Tensor:
+    return (torch.arange(rows) if order is None else order).to(torch.int64).contiguous()
+
+
+def repack(type_id: int, blocks, shape: tuple[int, int], order: torch.Tensor | None = None) -> torch.Tensor:
+    """GGUF blocks ([rows, bytes per row] uint8, e.g. a view of the mapped file) -> tiles, output
+    row r from the blocks' row order[r]. Threads over tile columns."""
+    out_features, in_features = shape
+    tiles = torch.empty(out_features // TILE_OUT, in_features // GROUP, TILE_BYTES[type_bits(type_id)], dtype=torch.uint8)
+    rows = _row_order(order, out_features)
+    status = library().saguaro_repack(type_id, blocks.ctypes.data, blocks.strides[0], out_features, in_features,
+                                      rows.data_ptr(), tiles.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"saguaro_repack: GGUF type {type_id} of shape {tuple(shape)} does not fit the tiles")
+    return tiles
+
+
+def dequantize_rows(type_id: int, blocks, shape: tuple[int, int], order: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """GGUF blocks -> the weights in fp32 or bf16 (rounded to nearest even), rows in `order`."""
+    rows = _row_order(order, shape[0])
+    out = torch.empty(len(rows), shape[1], dtype=dtype)
+    status = library().saguaro_dequantize_rows(type_id, blocks.ctypes.data, blocks.strides[0], shape[1], rows.data_ptr(),
+                                               len(rows), out.data_ptr(), int(dtype == torch.bfloat16),
+                                               torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"saguaro_dequantize_rows: GGUF type {type_id} of shape {tuple(shape)} is not one it reads")
+    return out
 
 
 HEADER_BYTES, MAX_PARTS = 64, 3

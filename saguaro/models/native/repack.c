@@ -1,0 +1,218 @@
+/* GGUF blocks straight into group_matmul.c's tiles (and rows of an embedding into bf16), read
+ * from the file's mapped bytes: no intermediate codes, one pass, threads over tile columns.
+ *
+ * Each 32-weight group of a row is first decoded into what a tile holds for it (the codes as
+ * the tile stores them, and the group's scale and low, or Q6_K's two sub-scales and d), with
+ * the block layouts of ggml (ggml-quants.c documents them; tests/test_quantized.py checks the
+ * result against gguf-py's dequantization).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define GROUP 32
+#define TILE_OUT 16
+#define TARGET __attribute__((target("f16c")))
+
+/* ggml's type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+typedef struct {
+    int16_t code[GROUP]; /* 4 / 5 bits: 0..15 / 0..31; Q6_K: 0..63 (the value plus 32); Q8_0: -128..127 */
+    float scale, low;    /* w = code * scale + low (Q6_K: w = (code - 32) * sub * d) */
+    int8_t sub[2];       /* Q6_K: the sub-scales of inputs 0-15 and 16-31 */
+    float d;             /* Q6_K: the super-block scale */
+} Group;
+
+TARGET static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+TARGET static inline void put_half(uint8_t *p, float v) {
+    uint16_t h = _cvtss_sh(v, 0); /* round to nearest even, as torch's .half() */
+    memcpy(p, &h, 2);
+}
+
+int saguaro_type_bits(int type) {
+    switch (type) {
+        case Q4_0: case Q4_1: case Q4_K: return 4;
+        case Q5_0: case Q5_1: case Q5_K: return 5;
+        case Q6_K: return 6;
+        case Q8_0: return 8;
+        default: return 0;
+    }
+}
+
+static int64_t block_bytes(int type) {
+    switch (type) {
+        case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24; case Q8_0: return 34;
+        case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+static int64_t block_weights(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
+
+/* Q4_K / Q5_K: the six-bit scale and min of sub-block j packed in 12 bytes */
+static inline void k_scale_min(int j, const uint8_t *q, int *scale, int *min) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *min = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+TARGET static void decode_group(int type, const uint8_t *row, int64_t g, Group *out) {
+    const int64_t per_block = block_weights(type) / GROUP;
+    const uint8_t *b = row + (g / per_block) * block_bytes(type);
+    const int sb = (int)(g % per_block); /* 32-weight sub-block within a 256-weight block */
+    switch (type) {
+        case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
+            const int has_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
+            const float d = half_at(b);
+            uint32_t top = 0;
+            if (five) memcpy(&top, b + 2 + 2 * has_min, 4);
+            const uint8_t *qs = b + 2 + 2 * has_min + 4 * five;
+            for (int j = 0; j < GROUP; j++) {
+                int code = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+                out->code[j] = (int16_t)(code | (five ? ((top >> j) & 1) << 4 : 0));
+            }
+            out->scale = d;
+            out->low = has_min ? half_at(b + 2) : (five ? -16.0f : -8.0f) * d;
+            break;
+        }
+        case Q8_0:
+            for (int j = 0; j < GROUP; j++) out->code[j] = (int8_t)b[2 + j];
+            out->scale = half_at(b);
+            out->low = 0.0f;
+            break;
+        case Q4_K: case Q5_K: {
+            int scale, min;
+            k_scale_min(sb, b + 4, &scale, &min);
+            out->scale = half_at(b) * (float)scale;
+            out->low = -(half_at(b + 2) * (float)min);
+            const int chunk = sb / 2, half = sb % 2;
+            const uint8_t *qs = b + (type == Q4_K ? 16 : 48) + 32 * chunk, *qh = b + 16;
+            for (int j = 0; j < GROUP; j++) {
+                int code = (qs[j] >> (4 * half)) & 15;
+                if (type == Q5_K) code |= ((qh[j] >> (2 * chunk + half)) & 1) << 4;
+                out->code[j] = (int16_t)code;
+            }
+            break;
+        }
+        case Q6_K: {
+            const int n = sb / 4, i = sb % 4; /* half of 128 weights, quarter of 32 within it */
+            const uint8_t *ql = b + 64 * n + (i & 1 ? 32 : 0), *qh = b + 128 + 32 * n;
+            for (int l = 0; l < GROUP; l++) {
+                int low4 = i >= 2 ? ql[l] >> 4 : ql[l] & 15;
+                out->code[l] = (int16_t)(low4 | (((qh[l] >> (2 * i)) & 3) << 4));
+            }
+            out->sub[0] = (int8_t)b[192 + 2 * sb];
+            out->sub[1] = (int8_t)b[192 + 2 * sb + 1];
+            out->d = half_at(b + 208);
+            break;
+        }
+    }
+}
+
+/* One tile (16 outputs x 32 inputs) from its 16 rows' decoded groups, laid out as
+ * group_matmul.c reads it. */
+TARGET static void write_tile(int bits, const Group *groups, uint8_t *tile) {
+    if (bits == 8) {
+        for (int k = 0; k < 8; k++)
+            for (int j = 0; j < TILE_OUT; j++)
+                for (int t = 0; t < 4; t++) tile[64 * k + 4 * j + t] = (uint8_t)(groups[j].code[4 * k + t] + 128);
+        for (int j = 0; j < TILE_OUT; j++) put_half(tile + 512 + 2 * j, groups[j].scale);
+        return;
+    }
+    for (int u = 0; u < 4; u++)
+        for (int j = 0; j < TILE_OUT; j++)
+            for (int t = 0; t < 4; t++) {
+                const int16_t *c = groups[j].code;
+                tile[64 * u + 4 * j + t] = (uint8_t)((c[4 * u + t] & 15) | ((c[16 + 4 * u + t] & 15) << 4));
+            }
+    if (bits == 5) {
+        for (int j = 0; j < TILE_OUT; j++)
+            for (int t = 0; t < 4; t++) {
+                uint8_t top = 0;
+                for (int u = 0; u < 4; u++)
+                    for (int s = 0; s < 2; s++) top |= (uint8_t)(((groups[j].code[16 * s + 4 * u + t] >> 4) & 1) << (2 * u + s));
+                tile[256 + 4 * j + t] = top;
+            }
+    }
+    if (bits == 6) {
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < TILE_OUT; j++)
+                for (int t = 0; t < 4; t++) {
+                    uint8_t top = 0;
+                    for (int v = 0; v < 2; v++)
+                        for (int s = 0; s < 2; s++)
+                            top |= (uint8_t)(((groups[j].code[16 * s + 4 * (2 * h + v) + t] >> 4) & 3) << (4 * v + 2 * s));
+                    tile[256 + 64 * h + 4 * j + t] = top;
+                }
+        for (int j = 0; j < TILE_OUT; j++) {
+            tile[384 + j] = (uint8_t)groups[j].sub[0];
+            tile[400 + j] = (uint8_t)groups[j].sub[1];
+            put_half(tile + 416 + 2 * j, groups[j].d);
+        }
+        return;
+    }
+    const int params = bits == 4 ? 256 : 320;
+    for (int j = 0; j < TILE_OUT; j++) {
+        put_half(tile + params + 2 * j, groups[j].scale);
+        put_half(tile + params + 32 + 2 * j, groups[j].low);
+    }
+}
+
+int64_t saguaro_tile_bytes(int bits);
+
+/* tiles of rows x cols weights held as `type` blocks, `row_bytes` apart; output row r reads
+ * row order[r] (order may be NULL). Returns 0, or -2 for a type or shape the tiles do not take. */
+int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int64_t rows, int64_t cols,
+                   const int64_t *order, uint8_t *tiles, int threads) {
+    const int bits = saguaro_type_bits(type);
+    if (!bits || rows % TILE_OUT || cols % block_weights(type)) return -2;
+    const int64_t groups = cols / GROUP, tile_bytes = saguaro_tile_bytes(bits);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t column = 0; column < rows / TILE_OUT; column++) {
+        Group decoded[TILE_OUT];
+        for (int64_t g = 0; g < groups; g++) {
+            for (int j = 0; j < TILE_OUT; j++) {
+                const int64_t r = column * TILE_OUT + j;
+                decode_group(type, data + (order ? order[r] : r) * row_bytes, g, &decoded[j]);
+            }
+            write_tile(bits, decoded, tiles + (column * groups + g) * tile_bytes);
+        }
+    }
+    return 0;
+}
+
+/* out[i] = row ids[i] dequantized, in fp32 or bf16 (rounded to nearest even). Returns 0, or -2. */
+TARGET int saguaro_dequantize_rows(int type, const uint8_t *data, int64_t row_bytes, int64_t cols, const int64_t *ids,
+                                   int64_t count, void *out, int out_bf16, int threads) {
+    if (!saguaro_type_bits(type) || cols % block_weights(type)) return -2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < count; i++) {
+        Group group;
+        for (int64_t g = 0; g < cols / GROUP; g++) {
+            decode_group(type, data + ids[i] * row_bytes, g, &group);
+            for (int j = 0; j < GROUP; j++) {
+                float w = type == Q6_K ? (float)(group.code[j] - 32) * (float)group.sub[j / 16] * group.d
+                                       : (float)group.code[j] * group.scale + group.low;
+                const int64_t at = i * cols + g * GROUP + j;
+                if (!out_bf16) {
+                    ((float *)out)[at] = w;
+                    continue;
+                }
+                uint32_t bits;
+                memcpy(&bits, &w, 4);
+                ((uint16_t *)out)[at] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+            }
+        }
+    }
+    return 0;
+}
