@@ -8,6 +8,8 @@ v2 and v3, little-endian) in a fraction of that. Tensors come out as GGUFReader 
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,3 +107,20 @@ def _tensor_data(buffer: np.ndarray, offset: int, shape: tuple[int, ...], kind: 
     row_bytes = shape[0] // block_size * block_bytes
     count = row_bytes * int(np.prod(outer, dtype=np.int64))
     return np.frombuffer(buffer, np.uint8, count, offset).reshape(*outer, row_bytes)
+
+
+_MADV_DONTNEED = 4
+
+
+def forget_pages(array: np.ndarray) -> None:
+    """Drops the pages of a file mapping under `array` from this process's resident memory (the
+    page cache keeps them, and a later read maps them again): a tensor that has been repacked is
+    not held twice while the rest load. Nothing happens for an array that is not a mapping."""
+    base = array
+    while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
+        base = getattr(base, "base", None)
+    if base is None or not array.nbytes:
+        return
+    start = array.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+    ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(array.ctypes.data + array.nbytes - start),
+                              _MADV_DONTNEED)

@@ -46,7 +46,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies, with the linear or llama3 long-context scaling when configured, or
     divided by per-dimension `divisors` (how a GGUF file carries Llama 3's scaling)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # on the CPU also where a model is built on the meta device (whose arange imports for seconds)
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
@@ -61,7 +62,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         inv_freq = torch.where(wavelen < old_ctx / high, inv_freq,
                                torch.where(wavelen > old_ctx / low, inv_freq / factor, scaled))
     elif kind == "divisors":
-        inv_freq = inv_freq / torch.tensor(scaling["divisors"], dtype=torch.float64)
+        inv_freq = inv_freq / torch.tensor(scaling["divisors"], dtype=torch.float64, device="cpu")
     elif kind != "default":
         raise NotImplementedError(f"rope scaling {kind!r} is not supported")
     return inv_freq.float()

@@ -17,6 +17,7 @@ torch's int4 kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from saguaro.models import native
+from saguaro.models.gguf_file import forget_pages
 from saguaro.models.native import GROUP
 
 MODES = ("auto", "none", "int8", "int4")
@@ -126,13 +128,17 @@ class FileBlocks:
         codes = self.groups_of_file()
         return codes if self.order is None else codes.rows(self.order)
 
-    def tiles(self) -> torch.Tensor:
-        return native.repack(self.type_id, self.data, self.shape, self.order)
+    def tiles(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        tiles = native.repack(self.type_id, self.data, self.shape, self.order, out)
+        forget_pages(self.data)
+        return tiles
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if native.available():
-            return native.dequantize_rows(self.type_id, self.data, self.shape, self.order, dtype)
-        return self.groups().dequantize().to(dtype)
+        if not native.available():
+            return self.groups().dequantize().to(dtype)
+        weights = native.dequantize_rows(self.type_id, self.data, self.shape, self.order, dtype)
+        forget_pages(self.data)
+        return weights
 
 
 @dataclass
@@ -168,10 +174,18 @@ def part_bits(weights: GroupCodes | FileBlocks) -> int:
     return {GroupInt4: 4, GroupInt5: 5, GroupInt6: 6, GroupInt8: 8}[type(weights)]
 
 
+def fill_tiles(weights: GroupCodes | FileBlocks, out: torch.Tensor) -> None:
+    """weights' tiles written into `out` (from the file where they are still there)."""
+    if isinstance(weights, FileBlocks):
+        weights.tiles(out)
+    else:
+        out.copy_(native_tiles(weights)[1].reshape(-1))
+
+
 def native_tiles(weights: GroupCodes | FileBlocks | StackedCodes) -> tuple[int, torch.Tensor]:
     """(bits, tiles) as group_matmul.c reads them; bits 0 for stacked parts."""
     if isinstance(weights, StackedCodes):
-        return 0, native.stack_parts([native_tiles(p) for p in weights.parts])
+        return 0, native.stack_parts([(part_bits(p), *p.shape, partial(fill_tiles, p)) for p in weights.parts])
     if isinstance(weights, FileBlocks):
         return weights.bits, weights.tiles()
     if isinstance(weights, GroupInt4):

@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -180,11 +181,13 @@ def _row_order(order: torch.Tensor | None, rows: int) -> torch.Tensor:
     return (torch.arange(rows) if order is None else order).to(torch.int64).contiguous()
 
 
-def repack(type_id: int, blocks, shape: tuple[int, int], order: torch.Tensor | None = None) -> torch.Tensor:
-    """GGUF blocks ([rows, bytes per row] uint8, e.g. a view of the mapped file) -> tiles, output
-    row r from the blocks' row order[r]. Threads over tile columns."""
+def repack(type_id: int, blocks, shape: tuple[int, int], order: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """GGUF blocks ([rows, bytes per row] uint8, e.g. a view of the mapped file) -> tiles (into
+    `out` if given), output row r from the blocks' row order[r]. Threads over tile columns."""
     out_features, in_features = shape
-    tiles = torch.empty(out_features // TILE_OUT, in_features // GROUP, TILE_BYTES[type_bits(type_id)], dtype=torch.uint8)
+    size = (out_features // TILE_OUT, in_features // GROUP, TILE_BYTES[type_bits(type_id)])
+    tiles = torch.empty(size, dtype=torch.uint8) if out is None else out.view(size)
     rows = _row_order(order, out_features)
     status = library().saguaro_repack(type_id, blocks.ctypes.data, blocks.strides[0], out_features, in_features,
                                       rows.data_ptr(), tiles.data_ptr(), torch.get_num_threads())
@@ -209,16 +212,23 @@ def dequantize_rows(type_id: int, blocks, shape: tuple[int, int], order: torch.T
 HEADER_BYTES, MAX_PARTS = 64, 3
 
 
-def stack_parts(parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """Projections packed by different functions, stacked along the outputs as one (bits = 0 in
-    group_matmul): a 64-byte header of the parts' (bits, outputs), then their tiles."""
+def stack_parts(parts: list[tuple[int, int, int, Callable[[torch.Tensor | None], torch.Tensor]]]) -> torch.Tensor:
+    """Projections stacked along the outputs as one (bits = 0 in group_matmul): a 64-byte header
+    of the parts' (bits, outputs), then their tiles. Each part is (bits, outputs, inputs, fill),
+    fill(out) writing the part's tiles into `out` (a slice of the whole), so nothing is copied."""
     if not 1 <= len(parts) <= MAX_PARTS:
         raise ValueError(f"{len(parts)} parts: saguaro's kernels stack 1 to {MAX_PARTS}")
+    sizes = [out_features // TILE_OUT * (in_features // GROUP) * TILE_BYTES[bits] for bits, out_features, in_features, _ in parts]
+    stacked = torch.empty(HEADER_BYTES + sum(sizes), dtype=torch.uint8)
     header = torch.zeros(HEADER_BYTES // 8, dtype=torch.int64)
     header[0] = len(parts)
-    for i, (bits, tiles) in enumerate(parts):
-        header[1 + 2 * i], header[2 + 2 * i] = bits, tiles.shape[0] * TILE_OUT
-    return torch.cat([header.view(torch.uint8)] + [tiles.reshape(-1) for _, tiles in parts])
+    at = HEADER_BYTES
+    for i, ((bits, out_features, _, fill), size) in enumerate(zip(parts, sizes)):
+        header[1 + 2 * i], header[2 + 2 * i] = bits, out_features
+        fill(stacked[at:at + size])
+        at += size
+    stacked[:HEADER_BYTES] = header.view(torch.uint8)
+    return stacked
 
 
 def group_matmul(bits: int, tiles: torch.Tensor, x: torch.Tensor, out_features: int,
