@@ -189,8 +189,8 @@ def label(path: Path) -> str:
 def held_out_prompts(llm: LLM, count: int) -> list[list[int]]:
     """HumanEval and ShareGPT (held-out) prompts alternating, as token ids, as bandwidth.py takes them."""
     code = [llm.encode(p) for p in humaneval_prompts()[:count - count // 2]]
-    chat = [llm.encode([{"role": "user", "content": p}])
-            for p in sharegpt_first_turns("heldout", limit=count // 2, seed=0, max_chars=1000)]
+    chat = [llm.encode([{"role": "user", "content": p}])  # (limit=0 would mean all of them)
+            for p in sharegpt_first_turns("heldout", seed=0, max_chars=1000)[:count // 2]]
     return [p for pair in zip(code, chat) for p in pair] + code[len(chat):]
 
 
