@@ -13,9 +13,10 @@ embedding, so every type of it carries Q4_1's rounding); bigger shapes are writt
 F16 file of random weights (N(0, 0.02), norms 1, SmolLM2's tokenizer and metadata) under
 DIR/sources/, then quantized. Both go through llama.cpp's own quantizer, which, like llama.cpp's
 tools, falls back to other types for rows that are not a multiple of the k-quants' 256 (the
-135m and 360m shapes' 576 and 960): each file's mix of types is printed as it is made.
+135m and 360m shapes' 576 and 960): each file's mix of types is printed as it is made. Files
+already in DIR are kept; timing a folder takes its .gguf files, not sources/.
 
-    python benchmarks/gguf_types.py --make gguf_files --shapes 135m,360m,1.7b   # ~25 GB for all three
+    python benchmarks/gguf_types.py --make gguf_files --shapes 135m,360m,1.7b   # about 19 GB in all
     python benchmarks/gguf_types.py --files gguf_files --threads 1,2 [--prompts 6] [--max-tokens 64] \\
         [--out gguf_types_out]
     python benchmarks/gguf_types.py --files gguf_files/135m-Q4_K_M.gguf,gguf_files/135m-Q8_0.gguf
