@@ -85,9 +85,12 @@ def test_group_products_compute_the_documented_arithmetic(bits, shape):
     assert relative_error(wrong, kernel_arithmetic(x, codes, scales, lows)) > 0.1
 
 
-@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8, 16])
 def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(bits):
-    tiles = native_tiles(random_q6(960, 768))[1] if bits == 6 else pack(bits, *random_weights(960, 768, bits))
+    if bits == 16 and not native.bf16_available():
+        pytest.skip("this CPU lacks AVX512-BF16")
+    tiles = native_tiles(random_q6(960, 768))[1] if bits == 6 else native.pack16(torch.randn(960, 768)) if bits == 16 \
+        else pack(bits, *random_weights(960, 768, bits))
     x = torch.randn(300, 768).bfloat16()
     alone = torch.cat([native.group_matmul(bits, tiles, x[i:i + 1], 960) for i in range(len(x))])
     for rows in (2, 3, 4, 5, 6, 7, 9, 16, 33, 300):
@@ -137,6 +140,21 @@ def test_q6_products_compute_the_documented_arithmetic(shape):
                         .reshape(weights.sub_scales.shape))
     wrong = native.group_matmul(bits, native_tiles(swapped)[1], x, shape[0], torch.float32)
     assert relative_error(wrong, reference) > 0.1
+
+
+@pytest.mark.skipif(not native.bf16_available(), reason="this CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("shape", [(960, 576), (16, 32)], ids=str)
+def test_bf16_products_sum_the_exact_pair_products(shape):
+    """bf16 x bf16 products are exact in fp32; only the fp32 sums round."""
+    weight = (torch.randn(*shape) * 0.05).bfloat16()
+    x = torch.randn(5, shape[1]).bfloat16()
+    bits, tiles = native_tiles(weight)
+    out = native.group_matmul(bits, tiles, x, shape[0], torch.float32)
+    reference = x.double() @ weight.double().T
+    assert bits == 16 and relative_error(out, reference) < 1e-5
+    # Control: the pairs of each chunk swapped are caught.
+    swapped = weight.reshape(shape[0], -1, 2).flip(2).reshape(shape)
+    assert relative_error(native.group_matmul(16, native_tiles(swapped)[1], x, shape[0], torch.float32), reference) > 0.1
 
 
 def test_stacked_parts_compute_each_parts_product():

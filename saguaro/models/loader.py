@@ -309,8 +309,11 @@ def _cat(parts: list) -> torch.Tensor | GroupCodes | StackedCodes:
     return torch.cat([p.dequantize() if isinstance(p, GroupCodes) else p for p in parts])
 
 
-def not_4_bit(weight) -> bool:
-    """Codes of 5 to 8 bits: a head saguaro's kernels run (a 4-bit head is dequantized)."""
+def native_head(weight) -> bool:
+    """Codes of 5 to 8 bits, or bf16 where the CPU has its pair dots: a head saguaro's kernels
+    run with fp32 logits (a 4-bit head is dequantized)."""
+    if isinstance(weight, torch.Tensor):
+        return native.bf16_available()
     return isinstance(weight, (GroupInt5, GroupInt6, GroupInt8)) or isinstance(weight, FileBlocks) and weight.bits > 4
 
 
@@ -330,7 +333,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCod
         model = LlamaModel(config)
     state = fuse_hf_state(config, hf_state)
     quantized = {}
-    head = ["lm_head.weight"] if mode == "auto" and not_4_bit(state.get("lm_head.weight")) else []
+    head = ["lm_head.weight"] if mode == "auto" and native_head(state.get("lm_head.weight")) else []
     for name in [n for n in state if n.startswith("layers.") and n.endswith("_proj.weight")] + head:
         module = name.removesuffix(".weight")
         bias = state.get(f"{module}.bias")

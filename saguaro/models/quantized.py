@@ -136,9 +136,10 @@ class FileBlocks:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not native.available():
             return self.groups().dequantize().to(dtype)
-        weights = native.dequantize_rows(self.type_id, self.data, self.shape, self.order, dtype)
+        written = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32  # what the kernel writes
+        weights = native.dequantize_rows(self.type_id, self.data, self.shape, self.order, written)
         forget_pages(self.data)
-        return weights
+        return weights.to(dtype)
 
 
 @dataclass
@@ -168,7 +169,9 @@ class StackedCodes:
         return torch.cat([p.dequantize() for p in self.parts])
 
 
-def part_bits(weights: GroupCodes | FileBlocks) -> int:
+def part_bits(weights: GroupCodes | FileBlocks | torch.Tensor) -> int:
+    if isinstance(weights, torch.Tensor):
+        return 16
     if isinstance(weights, FileBlocks):
         return weights.bits
     return {GroupInt4: 4, GroupInt5: 5, GroupInt6: 6, GroupInt8: 8}[type(weights)]
@@ -188,6 +191,8 @@ def native_tiles(weights: GroupCodes | FileBlocks | StackedCodes) -> tuple[int, 
         return 0, native.stack_parts([(part_bits(p), *p.shape, partial(fill_tiles, p)) for p in weights.parts])
     if isinstance(weights, FileBlocks):
         return weights.bits, weights.tiles()
+    if isinstance(weights, torch.Tensor):
+        return 16, native.pack16(weights)
     if isinstance(weights, GroupInt4):
         return 4, native.pack4(weights.codes, weights.scales, weights.lows)
     if isinstance(weights, GroupInt5):
@@ -267,8 +272,8 @@ class Int4Linear(QuantizedLinear):
 
 
 class GroupLinear(QuantizedLinear):
-    """Weights held as Q5, Q6_K or Q8_0 groups, or stacked parts of several types (saguaro's
-    kernels only). A head's logits come out in fp32."""
+    """Weights held as Q5, Q6_K or Q8_0 groups, as bf16, or stacked parts of several types
+    (saguaro's kernels only). A head's logits come out in fp32."""
 
     native = True
 
@@ -332,4 +337,6 @@ def quantized_linear(weight: torch.Tensor | GroupCodes | FileBlocks | StackedCod
         weight = weight.dequantize()
     if mode == "int4" and fits_int4(out_features, in_features):
         return Int4Linear(GroupInt4.from_float(weight), bias, dtype)
+    if mode == "auto" and native.bf16_available() and native.fits(out_features, in_features):
+        return GroupLinear(weight, bias, dtype, out_dtype)  # bf16 weights on AVX512-BF16 pair dots
     return None

@@ -107,6 +107,11 @@ def available() -> bool:
     return library() is not None
 
 
+def bf16_available() -> bool:
+    """Whether bf16 weights run on the kernels too (AVX512-BF16 pair dots)."""
+    return available() and bool(library().saguaro_bf16_supported())
+
+
 def fits(out_features: int, in_features: int) -> bool:
     return out_features % TILE_OUT == 0 and in_features % GROUP == 0
 
@@ -134,6 +139,15 @@ def pack8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     c = codes.reshape(out_features // TILE_OUT, TILE_OUT, in_features // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
     chunks = (c.to(torch.int16) + 128).to(torch.uint8).reshape(*c.shape[:2], 512)
     return torch.cat([chunks, _halves(scales)], dim=-1).contiguous()
+
+
+def pack16(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 weights [out, in] -> tiles of 1024 bytes (group_matmul.c)."""
+    out_features, in_features = weight.shape
+    # [column, output j, group, chunk k, pair] -> [column, group, k, j, pair]
+    w = weight.to(torch.bfloat16).reshape(out_features // TILE_OUT, TILE_OUT, in_features // GROUP, 16, 2)
+    return w.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).reshape(out_features // TILE_OUT,
+                                                                           in_features // GROUP, 1024)
 
 
 def pack5(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
@@ -169,7 +183,7 @@ def pack6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.T
 
 # ggml's type ids of the blocks repack.c reads, and the tiles' width for each
 TYPE_BITS = {2: 4, 3: 4, 12: 4, 6: 5, 7: 5, 13: 5, 14: 6, 8: 8}  # Q4_0 Q4_1 Q4_K, Q5_0 Q5_1 Q5_K, Q6_K, Q8_0
-TILE_BYTES = {4: 320, 5: 384, 6: 448, 8: 544}
+TILE_BYTES = {4: 320, 5: 384, 6: 448, 8: 544, 16: 1024}
 
 
 def type_bits(type_id: int) -> int:
@@ -199,6 +213,8 @@ def repack(type_id: int, blocks, shape: tuple[int, int], order: torch.Tensor | N
 def dequantize_rows(type_id: int, blocks, shape: tuple[int, int], order: torch.Tensor | None = None,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """GGUF blocks -> the weights in fp32 or bf16 (rounded to nearest even), rows in `order`."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"saguaro_dequantize_rows writes fp32 or bf16, not {dtype}")
     rows = _row_order(order, shape[0])
     out = torch.empty(len(rows), shape[1], dtype=dtype)
     status = library().saguaro_dequantize_rows(type_id, blocks.ctypes.data, blocks.strides[0], shape[1], rows.data_ptr(),

@@ -25,6 +25,9 @@
  *    integer sums, combined in integers: d * x.d * sum_s scale_s * (dot_s - 32 qsum_s).
  *  - 8-bit, 544 bytes: 8 chunks of 64 bytes, byte 4j + t of chunk k holding output j's code for
  *    input 4k + t plus 128 (so unsigned); 16 fp16 scales (the low is zero).
+ *  - 16-bit (bf16 weights: F16, BF16 and F32 files, safetensors), 1024 bytes: 16 chunks of 64
+ *    bytes, bf16 pair j of chunk k holding output j's weights for inputs 2k and 2k + 1. The
+ *    activations stay bf16 (no rounding to 8 bits): AVX512-BF16 pair dots into fp32 sums.
  * A projection may stack parts of different widths (a Q4_K_M file's v is Q6_K, its q and k
  * Q4_K): bits = 0 says the tiles begin with a 64-byte header, int64 parts and then (bits,
  * outputs) per part (at most MAX_PARTS), the parts' tiles following one after the other.
@@ -49,7 +52,35 @@ int saguaro_cpu_supported(void) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
-int64_t saguaro_tile_bytes(int bits) { return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : 544; }
+int64_t saguaro_tile_bytes(int bits) { return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : bits == 8 ? 544 : 1024; }
+
+int saguaro_bf16_supported(void) {
+    __builtin_cpu_init();
+    return saguaro_cpu_supported() && __builtin_cpu_supports("avx512bf16");
+}
+
+/* R rows of bf16 activations against one column of 16-bit tiles: fp32 sums, pair by pair in
+ * input order (the same for any number of rows). Its own target: only CPUs with AVX512-BF16
+ * reach it (saguaro_bf16_supported). */
+__attribute__((target("avx512f,avx512bf16"))) static void tile_column_bf16(
+        int R, const uint8_t *tiles, const uint16_t *x, int64_t in_features, float *sums_out) {
+    __m512 acc[MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < in_features / GROUP; g++) {
+        const uint8_t *tile = tiles + g * 1024;
+        for (int line = 0; line < 1024; line += 64)
+            _mm_prefetch((const char *)tile + 4 * 1024 + line, _MM_HINT_T0);
+        for (int k = 0; k < 16; k++) {
+            const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(tile + 64 * k));
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, x + r * in_features + g * GROUP + 2 * k, 4);
+                acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32(pair));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(sums_out + r * TILE_OUT, acc[r]);
+}
 
 /* One row's group of activations, rounded to 8 bits. */
 typedef struct {
@@ -216,7 +247,8 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
                 case 5: CASE(B, 5); break; case 4: CASE(B, 4); break; case 3: CASE(B, 3); break; \
                 case 2: CASE(B, 2); break; default: CASE(B, 1); break; \
             }
-            if (b == 4) { ROWS_OF(4) } else if (b == 5) { ROWS_OF(5) } else if (b == 6) { ROWS_OF(6) } else { ROWS_OF(8) }
+            if (b == 16) tile_column_bf16(R, tiles_of_column, x + r0 * in_features, in_features, result);
+            else if (b == 4) { ROWS_OF(4) } else if (b == 5) { ROWS_OF(5) } else if (b == 6) { ROWS_OF(6) } else { ROWS_OF(8) }
 #undef ROWS_OF
 #undef CASE
             for (int r = 0; r < R; r++) {
