@@ -222,8 +222,8 @@ def gguf_groups(tensor) -> GroupCodes | None:
 def file_blocks(tensor) -> FileBlocks | None:
     """A tensor of a type saguaro's kernels read, left in the mapped file (see FileBlocks)."""
     kind = int(tensor.tensor_type)
-    if not native.type_bits(kind):
-        return None
+    if not native.type_bits(kind) or native.type_bits(kind) == native.NL4 and not native.available():
+        return None  # (IQ4's codes have no decoder besides repack.c's: gguf-py dequantizes them)
     out_features, in_features = (int(n) for n in reversed(tensor.shape))
     return FileBlocks(kind, np.asarray(tensor.data).reshape(out_features, -1), torch.Size((out_features, in_features)),
                       lambda: gguf_groups(tensor))

@@ -181,9 +181,11 @@ def pack6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.T
                       _halves(per_group)], dim=-1).contiguous()
 
 
-# ggml's type ids of the blocks repack.c reads, and the tiles' width for each
-TYPE_BITS = {2: 4, 3: 4, 12: 4, 6: 5, 7: 5, 13: 5, 14: 6, 8: 8}  # Q4_0 Q4_1 Q4_K, Q5_0 Q5_1 Q5_K, Q6_K, Q8_0
-TILE_BYTES = {4: 320, 5: 384, 6: 448, 8: 544, 16: 1024}
+# ggml's type ids of the blocks repack.c reads, and the tiles' kind for each: its width, or NL4
+NL4 = 104  # 4-bit codes into IQ4's table of non-linear values (group_matmul.c)
+TYPE_BITS = {2: 4, 3: 4, 12: 4, 6: 5, 7: 5, 13: 5, 14: 6, 8: 8,  # Q4_0 Q4_1 Q4_K, Q5_0 Q5_1 Q5_K, Q6_K, Q8_0
+             20: NL4, 23: NL4}  # IQ4_NL, IQ4_XS
+TILE_BYTES = {4: 320, 5: 384, 6: 448, 8: 544, 16: 1024, NL4: 288}
 
 
 def type_bits(type_id: int) -> int:

@@ -25,6 +25,9 @@
  *    integer sums, combined in integers: d * x.d * sum_s scale_s * (dot_s - 32 qsum_s).
  *  - 8-bit, 544 bytes: 8 chunks of 64 bytes, byte 4j + t of chunk k holding output j's code for
  *    input 4k + t plus 128 (so unsigned); 16 fp16 scales (the low is zero).
+ *  - IQ4 (IQ4_NL, IQ4_XS; kind NL4), 288 bytes: the 4-bit record's chunks and 16 fp16 scales;
+ *    a code c stands for the weight kIQ4[c] * scale (kIQ4: ggml's 16 non-linear int8 values),
+ *    looked up per byte (vpshufb) and offset by 128 for the unsigned side of vpdpbusd.
  *  - 16-bit (bf16 weights: F16, BF16 and F32 files, safetensors), 1024 bytes: 16 chunks of 64
  *    bytes, bf16 pair j of chunk k holding output j's weights for inputs 2k and 2k + 1. The
  *    activations stay bf16 (no rounding to 8 bits): AVX512-BF16 pair dots into fp32 sums.
@@ -41,6 +44,7 @@
 #define GROUP 32
 #define MAX_ROWS 8       /* rows sharing one pass over the codes (a verification of K + 1 <= 8 tokens: one) */
 #define PREFETCH_TILES 8 /* how far ahead the codes are fetched while the current tile computes */
+#define NL4 104 /* the IQ4 tile kind (not a width: its codes are 4 bits) */
 #define HEADER_BYTES 64
 #define MAX_PARTS 3
 
@@ -52,7 +56,9 @@ int saguaro_cpu_supported(void) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
-int64_t saguaro_tile_bytes(int bits) { return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : bits == 8 ? 544 : 1024; }
+int64_t saguaro_tile_bytes(int bits) {
+    return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : bits == 8 ? 544 : bits == NL4 ? 288 : 1024;
+}
 
 int saguaro_bf16_supported(void) {
     __builtin_cpu_init();
@@ -139,11 +145,18 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         const int second_chain = bits == 6 || R <= 4; /* 6-bit: one chain per half, scaled apart */
         __m512i dots[MAX_ROWS][2];
         for (int r = 0; r < R; r++) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
-        if (bits == 4 || bits == 5 || bits == 6) {
+        if (bits == 4 || bits == 5 || bits == 6 || bits == NL4) {
             for (int u = 0; u < 4; u++) {
                 __m512i w = _mm512_loadu_si512((const void *)(tile + 64 * u));
                 __m512i first = _mm512_and_si512(w, nibble);
                 __m512i second = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+                if (bits == NL4) { /* codes -> kIQ4 + 128, unsigned */
+                    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
+                        1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, (char)181,
+                        (char)197, (char)217, (char)241));
+                    first = _mm512_shuffle_epi8(table, first);
+                    second = _mm512_shuffle_epi8(table, second);
+                }
                 if (bits == 5) {
                     const __m512i one = _mm512_set1_epi8(0x01);
                     __m512i top = _mm512_srli_epi16(_mm512_loadu_si512((const void *)(tile + 256)), 2 * u);
@@ -184,12 +197,12 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             }
             continue;
         }
-        const uint8_t *params = tile + (bits == 4 ? 256 : bits == 5 ? 320 : 512);
+        const uint8_t *params = tile + (bits == 4 || bits == NL4 ? 256 : bits == 5 ? 320 : 512);
         const __m512 scale = halves(params);
         for (int r = 0; r < R; r++) {
             const QuantizedGroup *x = xq + r * groups + g;
             __m512i dot = second_chain ? _mm512_add_epi32(dots[r][0], dots[r][1]) : dots[r][0];
-            if (bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->qsum));  /* the codes' +128 */
+            if (bits == 8 || bits == NL4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->qsum));  /* the codes' +128 */
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(x->d)), acc[r]);
             if (bits == 4 || bits == 5) acc[r] = _mm512_fmadd_ps(halves(params + 32), _mm512_set1_ps(x->d_qsum), acc[r]);
         }
@@ -248,6 +261,7 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
                 case 2: CASE(B, 2); break; default: CASE(B, 1); break; \
             }
             if (b == 16) tile_column_bf16(R, tiles_of_column, x + r0 * in_features, in_features, result);
+            else if (b == NL4) { ROWS_OF(NL4) }
             else if (b == 4) { ROWS_OF(4) } else if (b == 5) { ROWS_OF(5) } else if (b == 6) { ROWS_OF(6) } else { ROWS_OF(8) }
 #undef ROWS_OF
 #undef CASE

@@ -15,11 +15,14 @@
 #define TARGET __attribute__((target("f16c")))
 
 /* ggml's type ids */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+#define NL4 104 /* group_matmul.c's IQ4 tile kind */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 typedef struct {
-    int16_t code[GROUP]; /* 4 / 5 bits: 0..15 / 0..31; Q6_K: 0..63 (the value plus 32); Q8_0: -128..127 */
-    float scale, low;    /* w = code * scale + low (Q6_K: w = (code - 32) * sub * d) */
+    int16_t code[GROUP]; /* 4 / 5 bits: 0..15 / 0..31; Q6_K: 0..63 (the value plus 32); Q8_0: -128..127;
+                          * IQ4: 0..15, an index into IQ4_VALUES */
+    float scale, low;    /* w = code * scale + low (Q6_K: w = (code - 32) * sub * d; IQ4: IQ4_VALUES[code] * scale) */
     int8_t sub[2];       /* Q6_K: the sub-scales of inputs 0-15 and 16-31 */
     float d;             /* Q6_K: the super-block scale */
 } Group;
@@ -41,6 +44,7 @@ int saguaro_type_bits(int type) {
         case Q5_0: case Q5_1: case Q5_K: return 5;
         case Q6_K: return 6;
         case Q8_0: return 8;
+        case IQ4_NL: case IQ4_XS: return NL4;
         default: return 0;
     }
 }
@@ -49,11 +53,12 @@ static int64_t block_bytes(int type) {
     switch (type) {
         case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24; case Q8_0: return 34;
         case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
+        case IQ4_NL: return 18; case IQ4_XS: return 136;
         default: return 0;
     }
 }
 
-static int64_t block_weights(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
+static int64_t block_weights(int type) { return type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS ? 256 : 32; }
 
 /* Q4_K / Q5_K: the six-bit scale and min of sub-block j packed in 12 bytes */
 static inline void k_scale_min(int j, const uint8_t *q, int *scale, int *min) {
@@ -83,6 +88,21 @@ TARGET static void decode_group(int type, const uint8_t *row, int64_t g, Group *
             }
             out->scale = d;
             out->low = has_min ? half_at(b + 2) : (five ? -16.0f : -8.0f) * d;
+            break;
+        }
+        case IQ4_NL: case IQ4_XS: {
+            /* IQ4_NL: fp16 d, 16 bytes of codes. IQ4_XS: fp16 d, 16 bits of the sub-scales' top
+             * two bits, 4 bytes of their low four, 128 bytes of codes; sub-scale = ls - 32. */
+            const uint8_t *qs = type == IQ4_NL ? b + 2 : b + 8 + 16 * sb;
+            for (int j = 0; j < GROUP; j++) out->code[j] = (int16_t)(j < 16 ? qs[j] & 15 : qs[j - 16] >> 4);
+            out->scale = half_at(b);
+            if (type == IQ4_XS) {
+                uint16_t high;
+                memcpy(&high, b + 2, 2);
+                const int ls = ((b[4 + sb / 2] >> (4 * (sb % 2))) & 15) | (((high >> (2 * sb)) & 3) << 4);
+                out->scale *= (float)(ls - 32);
+            }
+            out->low = 0.0f;
             break;
         }
         case Q8_0:
@@ -161,10 +181,10 @@ TARGET static void write_tile(int bits, const Group *groups, uint8_t *tile) {
         }
         return;
     }
-    const int params = bits == 4 ? 256 : 320;
+    const int params = bits == 5 ? 320 : 256;
     for (int j = 0; j < TILE_OUT; j++) {
         put_half(tile + params + 2 * j, groups[j].scale);
-        put_half(tile + params + 32 + 2 * j, groups[j].low);
+        if (bits != NL4) put_half(tile + params + 32 + 2 * j, groups[j].low);
     }
 }
 
@@ -202,7 +222,8 @@ TARGET int saguaro_dequantize_rows(int type, const uint8_t *data, int64_t row_by
             decode_group(type, data + ids[i] * row_bytes, g, &group);
             for (int j = 0; j < GROUP; j++) {
                 float w = type == Q6_K ? (float)(group.code[j] - 32) * (float)group.sub[j / 16] * group.d
-                                       : (float)group.code[j] * group.scale + group.low;
+                        : saguaro_type_bits(type) == NL4 ? (float)IQ4_VALUES[group.code[j]] * group.scale
+                                                         : (float)group.code[j] * group.scale + group.low;
                 const int64_t at = i * cols + g * GROUP + j;
                 if (!out_bf16) {
                     ((float *)out)[at] = w;
