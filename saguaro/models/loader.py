@@ -1,5 +1,5 @@
-"""Loads checkpoints: local Hugging Face folders (safetensors), GGUF files (4-bit and Q8_0 blocks
-kept as codes, every other type dequantized) and saguaro's own folders (config.json with
+"""Loads checkpoints: local Hugging Face folders (safetensors), GGUF files (the blocks saguaro's
+kernels read kept as codes, repacked from the mapped file; other types dequantized) and saguaro's own folders (config.json with
 ModelConfig fields + model.safetensors), which drafts use and which may leave out the
 embedding table they share with their target."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from saguaro.models import native
 from saguaro.models.config import ModelConfig, UnsupportedModelError
@@ -334,7 +335,8 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCod
     state = fuse_hf_state(config, hf_state)
     quantized = {}
     head = ["lm_head.weight"] if mode == "auto" and native_head(state.get("lm_head.weight")) else []
-    for name in [n for n in state if n.startswith("layers.") and n.endswith("_proj.weight")] + head:
+    names = [n for n in state if n.startswith("layers.") and n.endswith("_proj.weight")] + head
+    for name in tqdm(names, desc="loading weights", unit="tensor", delay=1.0, leave=False):  # shown after 1 s
         module = name.removesuffix(".weight")
         bias = state.get(f"{module}.bias")
         out_dtype = torch.float32 if name == "lm_head.weight" else dtype  # logits are wanted in fp32
