@@ -1,7 +1,7 @@
 """Loads checkpoints: local Hugging Face folders (safetensors), GGUF files (the blocks saguaro's
-kernels read kept as codes, repacked from the mapped file; other types dequantized) and saguaro's own folders (config.json with
-ModelConfig fields + model.safetensors), which drafts use and which may leave out the
-embedding table they share with their target."""
+kernels read kept as codes, repacked from the mapped file; other types dequantized) and
+saguaro's own folders (config.json with ModelConfig fields + model.safetensors), which drafts
+use and which may leave out the embedding table they share with their target."""
 from __future__ import annotations
 
 import json
