@@ -104,11 +104,11 @@ def test_modes_are_checked():
 # hidden 256 and intermediate 512: the K-quants' 256-weight blocks run along every input.
 KQUANT_SIZE = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q3_K, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 NATIVE_BITS = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6,  # types only saguaro's kernels run undequantized
-               Q.IQ4_NL: native.NL4, Q.IQ4_XS: native.NL4}
-K_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)  # gguf-py cannot quantize to these
+               Q.Q3_K: 6, Q.IQ4_NL: native.NL4, Q.IQ4_XS: native.NL4}
+K_TYPES = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)  # gguf-py cannot quantize to these
 DECODED_TYPES = INT4_TYPES + (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)  # gguf_groups decodes these to codes (numpy)
 TOKENS = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
 
@@ -125,6 +125,9 @@ def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator, size:
     elif kind == Q.Q6_K:  # 128 + 64 bytes of codes, 16 int8 scales, d (fp16)
         raw = rng.integers(0, 256, (blocks, 210), dtype=np.uint8)
         raw[:, 208:210] = np.array([2e-5 * size], dtype=np.float16).view(np.uint8)
+    elif kind == Q.Q3_K:  # 32 bytes of top bits, 64 of two-bit codes, 12 of six-bit scales, d (fp16)
+        raw = rng.integers(0, 256, (blocks, 110), dtype=np.uint8)
+        raw[:, 108:110] = np.array([2e-3 * size], dtype=np.float16).view(np.uint8)
     elif kind == Q.IQ4_NL:  # per 32 weights: d (fp16), 16 bytes of codes
         raw = rng.integers(0, 256, (blocks * 8, 18), dtype=np.uint8)
         raw[:, 0:2] = np.array([1e-3 * size], dtype=np.float16).view(np.uint8)
@@ -264,10 +267,11 @@ def test_tiles_repacked_from_the_file_are_those_of_the_decoded_codes(kind, sourc
 
 
 @pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
-@pytest.mark.parametrize("kind", [Q.IQ4_NL, Q.IQ4_XS], ids=lambda kind: kind.name)
-def test_iq4_blocks_multiply_as_their_dequantized_weights(kind, source, tmp_path):
-    """IQ4's codes index a table of non-linear values: repack.c dequantizes them as gguf-py does,
-    and the products are those weights' up to the 8-bit activations."""
+@pytest.mark.parametrize("kind", [Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS], ids=lambda kind: kind.name)
+def test_blocks_only_repack_decodes_multiply_as_their_dequantized_weights(kind, source, tmp_path):
+    """Q3_K (in Q6_K's tiles) and IQ4 (codes indexing a table of non-linear values): repack.c
+    dequantizes them as gguf-py does, and the products are those weights' up to the 8-bit
+    activations."""
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
     tensor = next(t for t in gguf.GGUFReader(str(file)).tensors if t.tensor_type == kind)
     blocks = loader.file_blocks(tensor)
@@ -276,7 +280,7 @@ def test_iq4_blocks_multiply_as_their_dequantized_weights(kind, source, tmp_path
     x = torch.randn(5, blocks.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
     bits, tiles = native_tiles(blocks)
     out = native.group_matmul(bits, tiles, x, blocks.shape[0], torch.float32)
-    assert bits == native.NL4 and 1e-4 < relative_error(out, x.double() @ expected.double().T) < 3e-2
+    assert bits == NATIVE_BITS[kind] and 1e-4 < relative_error(out, x.double() @ expected.double().T) < 3e-2
     # Control: the rows in another order are other products.
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
     wrong = native.group_matmul(bits, blocks.rows(order).tiles(), x, blocks.shape[0], torch.float32)

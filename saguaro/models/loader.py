@@ -179,6 +179,7 @@ def _top_bits(bits: np.ndarray, count: int) -> np.ndarray:
         np.uint8) << 4
 
 
+DECODED = (2, 3, 6, 7, 8, 12, 13, 14)  # ggml type ids gguf_groups decodes: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176}
 
 
@@ -223,8 +224,8 @@ def gguf_groups(tensor) -> GroupCodes | None:
 def file_blocks(tensor) -> FileBlocks | None:
     """A tensor of a type saguaro's kernels read, left in the mapped file (see FileBlocks)."""
     kind = int(tensor.tensor_type)
-    if not native.type_bits(kind) or native.type_bits(kind) == native.NL4 and not native.available():
-        return None  # (IQ4's codes have no decoder besides repack.c's: gguf-py dequantizes them)
+    if not native.type_bits(kind) or kind not in DECODED and not native.available():
+        return None  # (IQ4's and Q3_K's codes have no decoder besides repack.c's: gguf-py dequantizes them)
     out_features, in_features = (int(n) for n in reversed(tensor.shape))
     return FileBlocks(kind, np.asarray(tensor.data).reshape(out_features, -1), torch.Size((out_features, in_features)),
                       lambda: gguf_groups(tensor))

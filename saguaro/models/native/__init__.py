@@ -184,7 +184,7 @@ def pack6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.T
 # ggml's type ids of the blocks repack.c reads, and the tiles' kind for each: its width, or NL4
 NL4 = 104  # 4-bit codes into IQ4's table of non-linear values (group_matmul.c)
 TYPE_BITS = {2: 4, 3: 4, 12: 4, 6: 5, 7: 5, 13: 5, 14: 6, 8: 8,  # Q4_0 Q4_1 Q4_K, Q5_0 Q5_1 Q5_K, Q6_K, Q8_0
-             20: NL4, 23: NL4}  # IQ4_NL, IQ4_XS
+             11: 6, 20: NL4, 23: NL4}  # Q3_K (in Q6_K's tiles: 7 bits a weight, not its 3.4), IQ4_NL, IQ4_XS
 TILE_BYTES = {4: 320, 5: 384, 6: 448, 8: 544, 16: 1024, NL4: 288}
 
 

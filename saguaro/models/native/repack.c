@@ -15,7 +15,8 @@
 #define TARGET __attribute__((target("f16c")))
 
 /* ggml's type ids */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+       IQ4_XS = 23 };
 #define NL4 104 /* group_matmul.c's IQ4 tile kind */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -42,7 +43,7 @@ int saguaro_type_bits(int type) {
     switch (type) {
         case Q4_0: case Q4_1: case Q4_K: return 4;
         case Q5_0: case Q5_1: case Q5_K: return 5;
-        case Q6_K: return 6;
+        case Q3_K: case Q6_K: return 6; /* Q3_K's codes -4..3 and sub-scales fit Q6_K's tiles */
         case Q8_0: return 8;
         case IQ4_NL: case IQ4_XS: return NL4;
         default: return 0;
@@ -52,13 +53,15 @@ int saguaro_type_bits(int type) {
 static int64_t block_bytes(int type) {
     switch (type) {
         case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24; case Q8_0: return 34;
-        case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
+        case Q3_K: return 110; case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
         case IQ4_NL: return 18; case IQ4_XS: return 136;
         default: return 0;
     }
 }
 
-static int64_t block_weights(int type) { return type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS ? 256 : 32; }
+static int64_t block_weights(int type) {
+    return type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS ? 256 : 32;
+}
 
 /* Q4_K / Q5_K: the six-bit scale and min of sub-block j packed in 12 bytes */
 static inline void k_scale_min(int j, const uint8_t *q, int *scale, int *min) {
@@ -122,6 +125,24 @@ TARGET static void decode_group(int type, const uint8_t *row, int64_t g, Group *
                 if (type == Q5_K) code |= ((qh[j] >> (2 * chunk + half)) & 1) << 4;
                 out->code[j] = (int16_t)code;
             }
+            break;
+        }
+        case Q3_K: {
+            /* 32 bytes of top bits, 64 of two-bit codes, 16 six-bit sub-scales in 12 bytes (low
+             * nibbles, then top bit pairs), fp16 d; w = d * (sub - 32) * (two bits - (top ? 0 : 4)) */
+            const int n = sb / 4, j = sb % 4;
+            const uint8_t *hmask = b, *qs = b + 32 + 32 * n, *scales = b + 96;
+            for (int l = 0; l < GROUP; l++) {
+                const int low2 = (qs[l] >> (2 * j)) & 3, top = (hmask[l] >> (4 * n + j)) & 1;
+                out->code[l] = (int16_t)(low2 - (top ? 0 : 4) + 32); /* as Q6_K's tiles hold codes */
+            }
+            for (int s = 0; s < 2; s++) {
+                const int k = 2 * sb + s;
+                const int low4 = k < 8 ? scales[k] & 15 : scales[k - 8] >> 4;
+                const int top2 = (scales[8 + k % 4] >> (2 * (k / 4))) & 3;
+                out->sub[s] = (int8_t)((low4 | (top2 << 4)) - 32);
+            }
+            out->d = half_at(b + 108);
             break;
         }
         case Q6_K: {
@@ -221,7 +242,7 @@ TARGET int saguaro_dequantize_rows(int type, const uint8_t *data, int64_t row_by
         for (int64_t g = 0; g < cols / GROUP; g++) {
             decode_group(type, data + ids[i] * row_bytes, g, &group);
             for (int j = 0; j < GROUP; j++) {
-                float w = type == Q6_K ? (float)(group.code[j] - 32) * (float)group.sub[j / 16] * group.d
+                float w = type == Q6_K || type == Q3_K ? (float)(group.code[j] - 32) * (float)group.sub[j / 16] * group.d
                         : saguaro_type_bits(type) == NL4 ? (float)IQ4_VALUES[group.code[j]] * group.scale
                                                          : (float)group.code[j] * group.scale + group.low;
                 const int64_t at = i * cols + g * GROUP + j;
