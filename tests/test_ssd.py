@@ -243,7 +243,8 @@ def sigma_sampled_q_reported(monkeypatch, where: str) -> None:
 
 
 # Saguaro sampling over many hits: at 3 tokens a row too few tokens come from the tree to see it
-# drafted from one distribution and reported as another (p = 0.005); at 17, p ~ 1e-17.
+# drafted from one distribution and reported as another (p = 0.005); at 17, p = 4e-20 (the
+# neural backup's: 1e-52).
 SIGMA_ROWS, SIGMA_NEW = 2_000, 17
 
 
@@ -343,8 +344,8 @@ def test_ssd_check_catches_a_bonus_from_the_residual_after_full_acceptance(tiny_
 
 
 # Many rounds per row on a hit every round: what a random number used twice shows up in. The
-# repeat statistic (tests/stats.py) sees a tree reseeded every fill at p ~ 1e-20; the pooled
-# PIT needs 1,000 rows x 40 tokens for p ~ 1e-8.
+# repeat statistic (tests/stats.py) sees a tree reseeded every fill at p = 1e-17 here; the pooled
+# PIT at p = 0.01 (it needs 1,000 rows x 40 tokens for 4e-8).
 REUSE_ROWS, REUSE_NEW = 500, 30
 
 
@@ -373,8 +374,8 @@ def test_ssd_check_catches_a_tree_reseeded_every_fill(tiny_target, tiny_draft_di
 
 # Across restarts: each worker answers one request, is lost at its second and replaced (in-process,
 # through the pool's own restart), so every other round drafts from a new worker's first random
-# numbers. Reused, they make drafts repeat: the repeat statistic sees it (p ~ 1e-22), the pooled
-# PIT does not (p ~ 0.1-0.8).
+# numbers. Reused, they make drafts repeat: the repeat statistic sees it (p = 9e-23), the pooled
+# PIT does not (p = 0.14).
 RESTART_ROWS, RESTART_NEW = 4_000, 25
 
 
