@@ -15,7 +15,7 @@ from saguaro.models.config import ModelConfig, UnsupportedModelError
 from saguaro.models.eagle import model_class
 from saguaro.models.gguf_file import GGUFFile, read_gguf_file
 from saguaro.models.hub import cache_dir
-from saguaro.models.llama import LlamaModel, rope_inv_freq
+from saguaro.models.llama import LlamaModel
 from saguaro.models.packed import pack_linears
 from saguaro.models.quantized import GROUP, GroupCodes, GroupInt4, GroupInt8, check_mode, quantized_linear
 
@@ -223,7 +223,8 @@ def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupIn
 # --- our module ------------------------------------------------------------------------------
 
 def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Maps Hugging Face parameter names onto LlamaModel's fused qkv and gate/up projections."""
+    """Maps Hugging Face parameter names onto LlamaModel's fused qkv and gate/up projections
+    (Phi-3's come fused)."""
     state = {}
     for name, value in hf_state.items():
         name = name.removeprefix("model.")
@@ -236,8 +237,9 @@ def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dic
             parts = [state.pop(f"{p}self_attn.{n}_proj.{kind}", None) for n in "qkv"]
             if all(t is not None for t in parts):
                 state[f"{p}self_attn.qkv_proj.{kind}"] = _cat(parts)
-        state[f"{p}mlp.gate_up_proj.weight"] = _cat(
-            [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")])
+        if f"{p}mlp.gate_up_proj.weight" not in state:  # Phi-3 checkpoints hold them fused already
+            state[f"{p}mlp.gate_up_proj.weight"] = _cat(
+                [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")])
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     return state
@@ -279,7 +281,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupInt
         model.set_submodule(module, layer)
     if config.tie_word_embeddings and "lm_head" not in quantized:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config)
+    model.reset_rope()
     model.quantization = mode
     return frozen(model.to(device))
 
@@ -372,7 +374,7 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32,
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config)
+    model.reset_rope()
     model = model.to(device)
     if quantization is not None:
         model.quantization = check_mode(quantization, dtype, torch.device(device))
