@@ -26,6 +26,14 @@ _GGUF_LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's llama.cpp names mean other Hugging Face tensors: Phi-3's fused
+# projections (ffn_up holds gate and up), Gemma's sandwich norms (ffn_norm is the pre-MLP norm).
+_GGUF_ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+_GGUF_ARCH_LAYER_NAMES["gemma3"] = _GGUF_ARCH_LAYER_NAMES["gemma2"]
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -71,7 +79,10 @@ def _gguf_value(reader: GGUFFile, key: str, default=None):
 
 
 # Mistral has no GGUF architecture of its own: llama.cpp writes it as "llama".
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3")
+_HF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # where Hugging Face's name differs
+# Architectures whose q/k rows llama.cpp's converter reorders for interleaved rope.
+_PERMUTED_QK = ("llama", "smollm3")
 
 
 def gguf_hf_config(reader: GGUFFile) -> dict:
@@ -87,12 +98,13 @@ def gguf_hf_config(reader: GGUFFile) -> dict:
     head_dim = get("attention.key_length", hidden // heads)
     if get("attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError("GGUF value heads differ in width from key heads: not supported")
-    if get("rope.dimension_count", head_dim) != head_dim:
+    rotary = get("rope.dimension_count", head_dim)
+    if rotary != head_dim and arch != "phi3":
         raise UnsupportedModelError(
-            f"GGUF rope covers {get('rope.dimension_count')} of {head_dim} head dimensions: partial rope is not supported")
+            f"GGUF rope covers {rotary} of {head_dim} head dimensions: partial rope is not supported for {arch!r}")
     vocab = get("vocab_size") or len(_gguf_value(reader, "tokenizer.ggml.tokens"))
     config = {
-        "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
+        "model_type": _HF_MODEL_TYPES.get(arch, arch), "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"), "num_hidden_layers": get("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv", heads),
         "head_dim": head_dim, "rope_theta": get("rope.freq_base", 10000.0),
@@ -103,13 +115,36 @@ def gguf_hf_config(reader: GGUFFile) -> dict:
         "bos_token_id": _gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _gguf_value(reader, "tokenizer.ggml.eos_token_id"),
     }
-    rope_scaling = gguf_rope_scaling(reader, arch, head_dim)
+    rope_scaling = gguf_rope_scaling(reader, arch, rotary)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
-    return config
+    return config | _gguf_arch_config(arch, get, config, rotary)
 
 
-def gguf_rope_scaling(reader: GGUFFile, arch: str, head_dim: int) -> dict | None:
+def _gguf_arch_config(arch: str, get, config: dict, rotary: int) -> dict:
+    """Hugging Face config fields of the newer architectures, as llama.cpp's loader derives
+    them: some from keys, some fixed for the architecture (no key carries them)."""
+    layers, head_dim = config["num_hidden_layers"], config["head_dim"]
+    if arch == "smollm3":
+        return {"no_rope_layer_interval": 4}  # llama.cpp: rope skipped on every 4th layer
+    if arch == "phi3":
+        return {"partial_rotary_factor": rotary / head_dim,
+                "sliding_window": get("attention.sliding_window") or None}  # 0: none (Phi-4)
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    # The 27B models scale queries by hidden / heads, the others by the head width.
+    large = layers == (46 if arch == "gemma2" else 62)
+    gemma = {"hidden_activation": "gelu_pytorch_tanh",
+             "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if large else head_dim,
+             "final_logit_softcapping": get("final_logit_softcapping", 30.0 if arch == "gemma2" else None)}
+    if arch == "gemma2":
+        return gemma | {"sliding_window": get("attention.sliding_window", 4096),
+                        "attn_logit_softcapping": get("attn_logit_softcapping", 50.0)}
+    return gemma | {"sliding_window": get("attention.sliding_window") or None, "sliding_window_pattern": 6,
+                    "rope_local_base_freq": 10000.0}
+
+
+def gguf_rope_scaling(reader: GGUFFile, arch: str, rotary_dim: int) -> dict | None:
     """Rope scaling as llama.cpp applies it: inverse frequencies divided by a linear factor and
     by the per-dimension divisors of a `rope_freqs` tensor, where Llama 3's scaling is baked in
     (its `rope.scaling.*` keys are not written). Any other scaling type raises."""
@@ -118,12 +153,14 @@ def gguf_rope_scaling(reader: GGUFFile, arch: str, head_dim: int) -> dict | None
     if kind not in ("none", "linear"):
         raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported")
     factor = (get("rope.scaling.factor") or get("rope.scale_linear") or 1.0) if kind == "linear" else 1.0
+    if any(t.name.startswith("rope_factors_") for t in reader.tensors):
+        raise UnsupportedModelError("GGUF rope scaling 'longrope' (rope_factors_long/short) is not supported")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is None:
         return None if factor == 1.0 else {"rope_type": "linear", "factor": float(factor)}
     divisors = np.asarray(dequantize_gguf(freqs), dtype=np.float64).reshape(-1)
-    if divisors.size != head_dim // 2:
-        raise UnsupportedModelError(f"GGUF rope_freqs has {divisors.size} entries, {head_dim // 2} expected")
+    if divisors.size != rotary_dim // 2:
+        raise UnsupportedModelError(f"GGUF rope_freqs has {divisors.size} entries, {rotary_dim // 2} expected")
     return {"rope_type": "divisors", "divisors": (divisors * factor).tolist()}
 
 
@@ -185,7 +222,7 @@ def _unpermute_rope(weight: torch.Tensor | GroupInt4 | GroupInt8, n_head: int) -
     return weight.rows(order) if isinstance(weight, GroupCodes) else weight[order]
 
 
-def gguf_tensor_name(gguf_name: str) -> str | None:
+def gguf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor; None for rope_freqs, which the config carries."""
     prefix, _, kind = gguf_name.rpartition(".")
     if prefix == "rope_freqs":
@@ -194,8 +231,9 @@ def gguf_tensor_name(gguf_name: str) -> str | None:
         return f"{_GGUF_TOP_NAMES[prefix]}.{kind}"
     if prefix.startswith("blk."):
         _, layer, part = prefix.split(".", 2)
-        if part in _GGUF_LAYER_NAMES:
-            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+        names = _GGUF_LAYER_NAMES | _GGUF_ARCH_LAYER_NAMES.get(arch, {})
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name}")
 
 
@@ -203,19 +241,21 @@ def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupIn
     """Config and weights; the projections', head's and embedding's 4-bit and Q8_0 blocks as
     GroupInt4 / GroupInt8, everything else dequantized to fp32."""
     reader = read_gguf_file(file)
+    arch = _gguf_value(reader, "general.architecture")
     config = ModelConfig.from_hf(gguf_hf_config(reader))
     state: dict[str, torch.Tensor | GroupInt4 | GroupInt8] = {}
     for tensor in reader.tensors:
-        name = gguf_tensor_name(tensor.name)
+        name = gguf_tensor_name(tensor.name, arch)
         if name is None:
             continue
         grouped = name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
         weight = gguf_groups(tensor) if grouped else None
         if weight is None:
             weight = torch.from_numpy(np.array(dequantize_gguf(tensor), dtype=np.float32))
-        # Only the "llama" architecture stores q/k rows in llama.cpp's interleaved order.
-        if config.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             weight = _unpermute_rope(weight, config.num_heads if ".q_proj." in name else config.num_kv_heads)
+        if config.norm_offset and name.endswith("norm.weight"):  # llama.cpp stores Gemma's as offset + weight
+            weight = weight - config.norm_offset
         state[name] = weight
     return config, state
 
