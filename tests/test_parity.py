@@ -38,6 +38,14 @@ CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(
         **SMALL | TOKEN_IDS, sliding_window=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}),
+    # Phi-4-mini's longrope: short factors and an attention factor (here sqrt(1 + ln 4 / ln 128))
+    # within the original context of 128, which is where the context stops.
+    "phi3_longrope": lambda: transformers.Phi3Config(
+        **SMALL | TOKEN_IDS | dict(max_position_embeddings=512), original_max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 128, "short_factor": [1.0, 1.3, 1.9, 2.6, 4.0, 7.5],
+            "long_factor": [2.0, 3.0, 5.0, 9.0, 17.0, 30.0]}),
     # Every Gemma feature is made to matter: windows of 4 on layers 0 and 2, soft caps near the
     # scores' and logits' size, a query scale other than 1/sqrt(head_dim).
     "gemma2": lambda: transformers.Gemma2Config(
@@ -94,11 +102,11 @@ def tiny_pair(request, tmp_path_factory):
     hf = tiny_model(request.param)
     folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
-    return load_model(folder), hf
+    return load_model(folder), hf, request.param
 
 
 def test_tiny_architectures_match_transformers(tiny_pair):
-    ours, hf = tiny_pair
+    ours, hf, _ = tiny_pair
     tokens = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(1)).tolist()
     expected = hf_logits(hf, tokens)
     assert expected.std() > 0.1  # the weights are large enough for the comparison to mean something
@@ -106,17 +114,18 @@ def test_tiny_architectures_match_transformers(tiny_pair):
 
 
 def test_tiny_cached_chunk_matches_full_forward(tiny_pair):
-    ours, hf = tiny_pair
+    ours, hf, _ = tiny_pair
     tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     assert max_diff(cached_logits(ours, tokens, 29), hf_logits(hf, tokens)[29:]) < 1e-4
 
 
 GEMMA = dict(mlp_activation="gelu_tanh", norm_offset=1.0, embed_scale=8.0, post_norms=True, attn_scale=24 ** -0.5)
-# Each architecture's config fields that differ from Llama's defaults.
+# Each case's config fields that differ from Llama's defaults.
 FEATURES = {
-    "llama": dict(rope_scaling=True), "qwen3": dict(qk_norm=True), "qwen2": dict(attention_bias=True),
+    "llama3.1": dict(rope_scaling=True), "qwen3": dict(qk_norm=True), "qwen2": dict(attention_bias=True),
     "smollm3": dict(no_rope_layers=[1, 3]),
     "phi3": dict(partial_rotary_factor=0.75, sliding_window=8, sliding_layers=[0, 1]),
+    "phi3_longrope": dict(rope_scaling=True, partial_rotary_factor=0.75, max_position_embeddings=128),
     "gemma2": GEMMA | dict(attn_softcap=1.0, logit_softcap=2.0, sliding_window=4, sliding_layers=[0, 2]),
     "gemma3_text": GEMMA | dict(rope_scaling=True, qk_norm=True, sliding_window=4, sliding_layers=[0, 1, 3],
                                 rope_local_theta=10000.0),
@@ -124,14 +133,16 @@ FEATURES = {
 
 
 def test_loaded_config_has_the_architecture_features(tiny_pair):
-    config = tiny_pair[0].config
-    features = FEATURES.get(config.architecture, {})
+    config, case = tiny_pair[0].config, tiny_pair[2]
+    features = FEATURES.get(case, {})
     assert (config.rope_scaling is not None) == features.get("rope_scaling", False)
-    defaults = ModelConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(ModelConfig)
-                              if f.name not in FEATURES_FIELDS})
+    defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(ModelConfig)}
     for name in FEATURES_FIELDS:
-        assert getattr(config, name) == features.get(name, getattr(defaults, name)), name
+        assert getattr(config, name) == features.get(name, defaults[name]), name
     assert config.llama_like == (config.architecture in ("llama", "qwen2", "qwen3", "mistral"))
+    if "max_position_embeddings" in features:
+        assert config.max_position_embeddings == features["max_position_embeddings"]
 
 
 FEATURES_FIELDS = ("qk_norm", "attention_bias", "mlp_activation", "norm_offset", "embed_scale", "post_norms",
@@ -142,7 +153,9 @@ FEATURES_FIELDS = ("qk_norm", "attention_bias", "mlp_activation", "norm_offset",
 # would not show that it is implemented.
 FEATURE_CONTROLS = [
     ("smollm3", dict(no_rope_layers=[])), ("phi3", dict(partial_rotary_factor=1.0)),
-    ("phi3", dict(sliding_layers=[])), ("gemma2", dict(sliding_layers=[])), ("gemma2", dict(attn_softcap=None)),
+    ("phi3", dict(sliding_layers=[])), ("phi3_longrope", dict(rope_scaling=None)),
+    ("phi3_longrope", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.6, 4.0, 7.5]})),
+    ("gemma2", dict(sliding_layers=[])), ("gemma2", dict(attn_softcap=None)),
     ("gemma2", dict(logit_softcap=None)), ("gemma2", dict(norm_offset=0.0)), ("gemma2", dict(embed_scale=None)),
     ("gemma2", dict(attn_scale=None)), ("gemma2", dict(mlp_activation="silu")), ("gemma2", dict(post_norms=False)),
     ("gemma3_text", dict(rope_local_theta=None)), ("gemma3_text", dict(sliding_layers=[])),
@@ -162,8 +175,10 @@ def test_each_feature_changes_the_logits(arch, change, tmp_path):
 
 
 UNSUPPORTED = {
-    "longrope": (dict(model_type="phi3", rope_scaling={"type": "longrope", "long_factor": [1.0] * 8,
-                                                        "short_factor": [1.0] * 8}), "rope scaling 'longrope'"),
+    "yarn": (dict(model_type="qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope scaling 'yarn'"),
+    "longrope factors": (dict(model_type="phi3", original_max_position_embeddings=64,
+                              rope_scaling={"type": "longrope", "long_factor": [1.0] * 4, "short_factor": [1.0] * 4}),
+                         "longrope has 4 short factors, 8 expected"),
     "layer type": (dict(model_type="gemma3_text", sliding_window=4, layer_types=["chunked_attention"] * 2),
                    "chunked_attention"),
     "activation": (dict(model_type="gemma2", hidden_activation="gelu"), "MLP activation 'gelu'"),

@@ -4,12 +4,13 @@ absent rope) are fields here rather than classes."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3_text")
 # rope_scaling types rope_inv_freq implements
-ROPE_TYPES = ("default", "linear", "llama3", "divisors")
+ROPE_TYPES = ("default", "linear", "llama3", "divisors", "longrope")
 
 
 class UnsupportedModelError(ValueError):
@@ -65,10 +66,18 @@ class ModelConfig:
             raise UnsupportedModelError(f"partial rotary over an odd {self.rotary_dim} dimensions")
         if self.sliding_layers and not self.sliding_window:
             raise ValueError("sliding_layers without a sliding_window")
+        short = (self.rope_scaling or {}).get("short_factor")
+        if short is not None and len(short) != self.rotary_dim // 2:
+            raise UnsupportedModelError(f"longrope has {len(short)} short factors, {self.rotary_dim // 2} expected")
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """Longrope's scale on cos and sin (on both q and k, so on the scores twice)."""
+        return (self.rope_scaling or {}).get("attention_factor", 1.0)
 
     @property
     def llama_like(self) -> bool:
@@ -76,6 +85,7 @@ class ModelConfig:
         return (self.mlp_activation == "silu" and not self.norm_offset and self.embed_scale is None
                 and not self.post_norms and self.attn_scale is None and self.attn_softcap is None
                 and self.logit_softcap is None and self.rotary_dim == self.head_dim
+                and self.rope_attention_factor == 1.0
                 and not self.no_rope_layers and not self.sliding_layers)
 
     @classmethod
@@ -90,13 +100,16 @@ class ModelConfig:
         partial = float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
         rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        max_positions = hf.get("max_position_embeddings", 8192)
+        if rope_type in ("longrope", "su"):  # "su": Phi-3's first name for it
+            rope, max_positions = _longrope(rope, hf, max_positions)
+            rope_type = "longrope"
         if rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(f"rope scaling {rope_type!r} is not supported")
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        max_positions = hf.get("max_position_embeddings", 8192)
         window, sliding = _sliding_layers(hf, arch)
         if arch in ("mistral", "qwen2", "qwen3") and window:
             # Their window is not applied; within it, it equals full attention, so the usable
@@ -205,3 +218,20 @@ def _rope_flags(hf: dict) -> list[int]:
 
 def _no_rope_layers(hf: dict) -> list[int]:
     return [i for i, use in enumerate(_rope_flags(hf)) if not use]
+
+
+def _longrope(rope: dict, hf: dict, max_positions: int) -> tuple[dict, int]:
+    """Phi-3's longrope as transformers applies it within the original context (llama.cpp too,
+    in contexts no longer than it): the short factors, and cos and sin scaled by the attention
+    factor. Past that length transformers switches every position to the long factors at once,
+    which cached keys cannot follow, so the context stops there. Returns (rope_scaling,
+    max_position_embeddings)."""
+    original = rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    if not original or "short_factor" not in rope:
+        raise UnsupportedModelError("rope scaling 'longrope' without short_factor or original_max_position_embeddings")
+    factor = rope.get("factor") or max_positions / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    scaling = {"rope_type": "longrope", "short_factor": list(rope["short_factor"]), "attention_factor": float(attention)}
+    return scaling, min(max_positions, original)

@@ -47,9 +47,9 @@ class Embedding(nn.Embedding):
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies over the rotated dimensions, with the linear or llama3 long-context
-    scaling when configured, or divided by per-dimension `divisors` (how a GGUF file carries
-    Llama 3's scaling). `local`: Gemma 3's sliding layers' own base, without scaling."""
+    """Inverse frequencies over the rotated dimensions, with the linear, llama3 or longrope
+    long-context scaling when configured, or divided by per-dimension `divisors` (how a GGUF
+    file carries Llama 3's scaling). `local`: Gemma 3's sliding layers' own base, unscaled."""
     dim = config.rotary_dim
     theta = config.rope_local_theta if local else config.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -68,6 +68,8 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
                                torch.where(wavelen > old_ctx / low, inv_freq / factor, scaled))
     elif kind == "divisors":
         inv_freq = inv_freq / torch.tensor(scaling["divisors"], dtype=torch.float64)
+    elif kind == "longrope":  # within the original context: the short factors
+        inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)
     elif kind != "default":
         raise NotImplementedError(f"rope scaling {kind!r} is not supported")
     return inv_freq.float()
@@ -266,6 +268,8 @@ class LlamaModel(nn.Module):
             raise IndexError(f"the KV cache has {cache.num_slots} slots; {mask.shape[-1]} needed")
         freqs = positions[..., None].float() * self.inv_freq
         cos, sin = freqs.cos(), freqs.sin()  # [B, T, rotary_dim / 2]
+        if self.config.rope_attention_factor != 1.0:
+            cos, sin = cos * self.config.rope_attention_factor, sin * self.config.rope_attention_factor
         rows = as_slice(rows)
         if self.native_layers is not None:
             return self.native_layers.run(x, cos, sin, cache, rows, slots, mask, mask.shape[-1])  # norm included
