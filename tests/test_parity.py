@@ -113,6 +113,18 @@ def test_tiny_architectures_match_transformers(tiny_pair):
     assert max_diff(saguaro_logits(ours, tokens), expected) < 1e-4
 
 
+def test_tiny_batch_invariant_path_matches_transformers(tiny_pair):
+    """The engine's default path (saguaro.models.invariant's attention, with Gemma's query scale
+    and soft caps) computes the same logits."""
+    ours, hf, _ = tiny_pair
+    tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours.set_batch_invariant(True)
+    try:
+        assert max_diff(cached_logits(ours, tokens, 29), hf_logits(hf, tokens)[29:]) < 1e-4
+    finally:
+        ours.set_batch_invariant(False)
+
+
 def test_tiny_cached_chunk_matches_full_forward(tiny_pair):
     ours, hf, _ = tiny_pair
     tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(2)).tolist()
