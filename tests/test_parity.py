@@ -199,6 +199,16 @@ UNSUPPORTED = {
 }
 
 
+@pytest.mark.parametrize("arch, window, layers, sliding", [
+    ("llama", 4, 2, []), ("phi3", 1024, 2, []), ("phi3", 1023, 2, [0, 1]), ("gemma3_text", 4, 6, [0, 1, 2, 3, 4])])
+def test_windows_apply_where_transformers_applies_them(arch, window, layers, sliding):
+    """Llama ignores a sliding_window key; a window as long as the context is none; Gemma 3's
+    default pattern is 5 sliding layers, then a global one."""
+    hf = dict(model_type=arch, vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+              num_attention_heads=4, max_position_embeddings=1024, sliding_window=window)
+    assert ModelConfig.from_hf(hf).sliding_layers == sliding
+
+
 @pytest.mark.parametrize("case", list(UNSUPPORTED))
 def test_unsupported_features_raise_naming_them(case):
     """What saguaro cannot run exactly is refused, never loaded silently wrong."""

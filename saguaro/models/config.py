@@ -115,6 +115,8 @@ class ModelConfig:
             # Their window is not applied; within it, it equals full attention, so the usable
             # context stops there.
             max_positions, window, sliding = min(max_positions, window), None, []
+        if window and window >= max_positions:  # Phi-4-mini's 262144: no position is ever outside it
+            window, sliding = None, []
         activation = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
         if activation not in _ACTIVATIONS:
             raise UnsupportedModelError(f"MLP activation {activation!r} is not supported")
@@ -189,7 +191,7 @@ def _sliding_layers(hf: dict, arch: str) -> tuple[int | None, list[int]]:
     """(window, the layers it applies to), as each architecture's transformers model decides."""
     window = hf.get("sliding_window")
     n = hf["num_hidden_layers"]
-    if not window or (arch in ("qwen2", "qwen3", "smollm3") and not hf.get("use_sliding_window")):
+    if not window or arch == "llama" or (arch in ("qwen2", "qwen3", "smollm3") and not hf.get("use_sliding_window")):
         return None, []
     if arch in ("mistral", "qwen2", "qwen3", "phi3"):  # every layer
         return window, list(range(n))
