@@ -199,6 +199,28 @@ UNSUPPORTED = {
 }
 
 
+def test_gemma3_image_text_checkpoint_runs_its_language_model(tmp_path):
+    """Gemma 3's 4B to 27B models are image-text checkpoints: their language model runs on text."""
+    text = dict(FOUR_LAYERS, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+                layer_types=["sliding_attention", "full_attention"] * 2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, image_token_index=VOCAB - 1)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval().requires_grad_(False)
+    for name, param in hf.named_parameters():
+        if "norm" in name:
+            param.add_(torch.randn_like(param) * 0.3)
+    hf.save_pretrained(tmp_path)
+    tokens = torch.randint(0, VOCAB - 3, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = load_model(tmp_path)
+    assert ours.config.architecture == "gemma3_text" and ours.config.sliding_layers == [0, 2]
+    expected = hf_logits(hf, tokens)
+    assert expected.std() > 0.1
+    assert max_diff(saguaro_logits(ours, tokens), expected) < 1e-4
+
+
 @pytest.mark.parametrize("arch, window, layers, sliding", [
     ("llama", 4, 2, []), ("phi3", 1024, 2, []), ("phi3", 1023, 2, [0, 1]), ("gemma3_text", 4, 6, [0, 1, 2, 3, 4])])
 def test_windows_apply_where_transformers_applies_them(arch, window, layers, sliding):

@@ -62,14 +62,41 @@ def checkpoint_files(path: Path) -> tuple[Path, Path | None]:
 def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    hf = json.loads((folder / "config.json").read_text())
+    image_text = hf.get("model_type") == "gemma3"
+    config = ModelConfig.from_hf(gemma3_language_config(hf) if image_text else hf)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{folder} has no .safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(file))
-    return config, state
+    return config, language_model_weights(state) if image_text else state
+
+
+def gemma3_language_config(hf: dict) -> dict:
+    """The language model's config of a Gemma 3 image-text checkpoint (the 4B to 27B models),
+    its defaults filled in: older files write only what differs from them."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**hf.get("text_config", {})).to_dict() | {
+        "tie_word_embeddings": hf.get("tie_word_embeddings", True)}
+
+
+# Where image-text checkpoints keep their language model's weights (transformers has written both).
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def language_model_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The language model's weights under a text model's names; the vision tower's are left out."""
+    weights = {}
+    for name, value in state.items():
+        for old, new in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(old):
+                weights[new + name.removeprefix(old)] = value
+                break
+    return weights
 
 
 # --- GGUF -----------------------------------------------------------------------------------
