@@ -11,7 +11,7 @@ from drafts import InProcessDraft, sd_decoder, ssd_decoder, ssd_of, worker_confi
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models.kv_cache import KVCache
-from saguaro.models.loader import load_model
+from saguaro.models.loader import load_checkpoint, load_model, save_checkpoint
 from saguaro.speculation.build import ar_decoder
 from test_parity import CONFIGS, FOUR_LAYERS, SMALL, TOKEN_IDS, saguaro_logits
 from test_ssd import decode_all
@@ -70,6 +70,16 @@ def recomputed_greedy(model, prompt: list[int]) -> list[int]:
     for _ in range(NEW):
         tokens.append(int(saguaro_logits(model, tokens)[-1].argmax()))
     return tokens[len(prompt):]
+
+
+def test_a_saguaro_checkpoint_keeps_the_features(models, tmp_path):
+    """Drafts are saved as saguaro checkpoints (config.json of ModelConfig's fields)."""
+    target = models[0]
+    save_checkpoint(target, tmp_path, dtype=torch.float32, share_embeddings=False)
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.config == target.config
+    tokens = PROMPTS[2] * 3
+    assert torch.equal(saguaro_logits(loaded, tokens), saguaro_logits(target, tokens))
 
 
 def test_cached_ar_equals_recomputing_the_text(models):
