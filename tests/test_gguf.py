@@ -57,6 +57,15 @@ CASES = {
         **SMALL | TOKEN_IDS, sliding_window=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}),
         {"rope.dimension_count": 12, "attention.sliding_window": 8, "rope.scaling.original_context_length": 256}),
+    # Phi-4-mini's longrope: rope_factors_long/short tensors, the attention factor and the original
+    # context as keys (convert_hf_to_gguf.py computes the factor as transformers does).
+    "phi3 longrope": ("phi3", "Phi 4 mini tiny", lambda: transformers.Phi3Config(
+        **SMALL | TOKEN_IDS | dict(max_position_embeddings=512), original_max_position_embeddings=128,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "original_max_position_embeddings": 128, "short_factor": [1.0, 1.3, 1.9, 2.6, 4.0, 7.5],
+                         "long_factor": [2.0, 3.0, 5.0, 9.0, 17.0, 30.0]}),
+        {"rope.dimension_count": 12, "rope.scaling.original_context_length": 128,
+         "rope.scaling.attn_factor": math.sqrt(1 + math.log(512 / 128) / math.log(128))}),
     # llama.cpp fixes what no key carries: windows on even layers, queries scaled by the head width.
     "gemma2": ("gemma2", "Gemma 2 tiny", lambda: transformers.Gemma2Config(
         **SMALL | dict(num_hidden_layers=4), head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
@@ -138,6 +147,9 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
         tensors[f"blk.{layer}.{(_LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {}))[part]}.{kind}"] = array
     if (config.rope_parameters or {}).get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_divisors(config)
+    if (config.rope_parameters or {}).get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            tensors[f"rope_factors_{kind}.weight"] = np.array(config.rope_parameters[f"{kind}_factor"], dtype=np.float32)
     return tensors
 
 
@@ -240,8 +252,11 @@ UNSUPPORTED = {
     "partial rope": (dict(keys={"rope.dimension_count": 8}), "partial rope"),
     "unknown tensor": (dict(tensors={"blk.0.attn_gate.weight": np.ones((8, 64), dtype=np.float32)}),
                        "attn_gate"),
-    "longrope": (dict(arch="phi3", tensors={f"rope_factors_{kind}.weight": np.ones(8, dtype=np.float32)
-                                            for kind in ("long", "short")}), "longrope"),
+    "longrope without its original context": (
+        dict(arch="phi3", tensors={f"rope_factors_{kind}.weight": np.ones(8, dtype=np.float32) for kind in ("long", "short")}),
+        "'longrope' without short_factor or original_max_position_embeddings"),
+    "longrope outside phi3": (dict(tensors={"rope_factors_short.weight": np.ones(8, dtype=np.float32)}),
+                              "'longrope' .* not supported for 'llama'"),
 }
 
 

@@ -174,14 +174,20 @@ def _gguf_arch_config(arch: str, get, config: dict, rotary: int) -> dict:
 def gguf_rope_scaling(reader: GGUFFile, arch: str, rotary_dim: int) -> dict | None:
     """Rope scaling as llama.cpp applies it: inverse frequencies divided by a linear factor and
     by the per-dimension divisors of a `rope_freqs` tensor, where Llama 3's scaling is baked in
-    (its `rope.scaling.*` keys are not written). Any other scaling type raises."""
+    (its `rope.scaling.*` keys are not written), or Phi-3's longrope (`rope_factors_short`, in
+    contexts up to the original one; see ModelConfig). Any other scaling type raises."""
     get = lambda key, default=None: _gguf_value(reader, f"{arch}.{key}", default)  # noqa: E731
     kind = get("rope.scaling.type", "linear")  # llama.cpp's default when only a factor is given
     if kind not in ("none", "linear"):
         raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported")
     factor = (get("rope.scaling.factor") or get("rope.scale_linear") or 1.0) if kind == "linear" else 1.0
+    short = next((t for t in reader.tensors if t.name == "rope_factors_short.weight"), None)
+    if short is not None and arch == "phi3":
+        return {"rope_type": "longrope", "short_factor": dequantize_gguf(short).reshape(-1).tolist(),
+                "attention_factor": float(get("rope.scaling.attn_factor", 1.0)),
+                "original_max_position_embeddings": get("rope.scaling.original_context_length")}
     if any(t.name.startswith("rope_factors_") for t in reader.tensors):
-        raise UnsupportedModelError("GGUF rope scaling 'longrope' (rope_factors_long/short) is not supported")
+        raise UnsupportedModelError(f"GGUF rope scaling 'longrope' (rope_factors_long/short) is not supported for {arch!r}")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is None:
         return None if factor == 1.0 else {"rope_type": "linear", "factor": float(factor)}
@@ -250,9 +256,10 @@ def _unpermute_rope(weight: torch.Tensor | GroupInt4 | GroupInt8, n_head: int) -
 
 
 def gguf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """The Hugging Face name of a GGUF tensor; None for rope_freqs, which the config carries."""
+    """The Hugging Face name of a GGUF tensor; None for rope_freqs and rope_factors_*, which the
+    config carries."""
     prefix, _, kind = gguf_name.rpartition(".")
-    if prefix == "rope_freqs":
+    if prefix in ("rope_freqs", "rope_factors_long", "rope_factors_short"):
         return None
     if prefix in _GGUF_TOP_NAMES:
         return f"{_GGUF_TOP_NAMES[prefix]}.{kind}"
