@@ -72,7 +72,9 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
+        """transformers' int(head_dim * factor), safe from a product a hair under its integer
+        (a GGUF file gives the dimension count, from which the factor is computed)."""
+        return int(round(self.head_dim * self.partial_rotary_factor, 6))
 
     @property
     def rope_attention_factor(self) -> float:
