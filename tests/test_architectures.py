@@ -13,7 +13,7 @@ from saguaro.engine.sequence import Sequence
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.loader import load_checkpoint, load_model, save_checkpoint
 from saguaro.speculation.build import ar_decoder
-from test_parity import CONFIGS, FOUR_LAYERS, SMALL, TOKEN_IDS, saguaro_logits
+from test_parity import CONFIGS, FOUR_LAYERS, SMALL, TOKEN_IDS, hf_logits, saguaro_logits
 from test_ssd import decode_all
 
 K = 3
@@ -42,18 +42,19 @@ def saved(folder, hf) -> str:
 
 @pytest.fixture(scope="module", params=list(CONFIGS_WITH_WINDOWS))
 def models(request, tmp_path_factory):
-    """(target, draft folder, the target itself as a folder): a random draft, whose proposals are
-    mostly rejected, and the target as its own draft, whose proposals are all accepted."""
+    """(target, draft folder, the target itself as a folder, the transformers target): a random
+    draft, whose proposals are mostly rejected, and the target as its own draft, whose proposals
+    are all accepted."""
     arch = request.param
     torch.manual_seed(0)
-    target_hf = transformers.AutoModelForCausalLM.from_config(CONFIGS_WITH_WINDOWS[arch]()).eval()
+    target_hf = transformers.AutoModelForCausalLM.from_config(CONFIGS_WITH_WINDOWS[arch]()).eval().requires_grad_(False)
     target_dir = saved(tmp_path_factory.mktemp(f"{arch}-target"), target_hf)
     torch.manual_seed(1)
     draft_hf = transformers.AutoModelForCausalLM.from_config(DRAFT_CONFIGS[arch]()).eval()
     draft_dir = saved(tmp_path_factory.mktemp(f"{arch}-draft"), draft_hf)
     target = load_model(target_dir)
     assert target.config.sliding_layers and target.config.sliding_window == 4
-    return target, draft_dir, target_dir
+    return target, draft_dir, target_dir, target_hf
 
 
 def greedy(decoder) -> list[list[int]]:
@@ -70,6 +71,12 @@ def recomputed_greedy(model, prompt: list[int]) -> list[int]:
     for _ in range(NEW):
         tokens.append(int(saguaro_logits(model, tokens)[-1].argmax()))
     return tokens[len(prompt):]
+
+
+def test_the_target_matches_transformers(models):
+    target, target_hf = models[0], models[3]
+    tokens = (PROMPTS[2] * 9)[:80]
+    assert (saguaro_logits(target, tokens) - hf_logits(target_hf, tokens)).abs().max() < 1e-4
 
 
 def test_a_saguaro_checkpoint_keeps_the_features(models, tmp_path):
@@ -89,7 +96,7 @@ def test_cached_ar_equals_recomputing_the_text(models):
 
 @pytest.mark.parametrize("draft", ["random", "itself"])
 def test_sd_greedy_equals_ar(models, draft):
-    target, draft_dir, target_dir = models
+    target, draft_dir, target_dir, _ = models
     drafter = load_model(draft_dir if draft == "random" else target_dir)
     assert greedy(sd_decoder(target, drafter, K)) == greedy(ar_decoder(target))
 
@@ -97,7 +104,7 @@ def test_sd_greedy_equals_ar(models, draft):
 def test_ssd_greedy_equals_ar(models):
     """The worker drafts a tree of branches per round (fan-out 3 at each depth), so the draft's
     windows apply through tree masks."""
-    target, _, target_dir = models
+    target, _, target_dir, _ = models
     worker = InProcessDraft(worker_config(target_dir, "float32", K, [3] * (K + 1)), None)
     decoder = ssd_decoder(target, worker, "neural")
     assert greedy(decoder) == greedy(ar_decoder(target))

@@ -149,7 +149,8 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
         tensors["rope_freqs.weight"] = llama3_rope_divisors(config)
     if (config.rope_parameters or {}).get("rope_type") == "longrope":
         for kind in ("long", "short"):
-            tensors[f"rope_factors_{kind}.weight"] = np.array(config.rope_parameters[f"{kind}_factor"], dtype=np.float32)
+            factors = config.rope_parameters[f"{kind}_factor"]
+            tensors[f"rope_factors_{kind}.weight"] = np.array(factors, dtype=np.float32)
     return tensors
 
 
@@ -253,7 +254,8 @@ UNSUPPORTED = {
     "unknown tensor": (dict(tensors={"blk.0.attn_gate.weight": np.ones((8, 64), dtype=np.float32)}),
                        "attn_gate"),
     "longrope without its original context": (
-        dict(arch="phi3", tensors={f"rope_factors_{kind}.weight": np.ones(8, dtype=np.float32) for kind in ("long", "short")}),
+        dict(arch="phi3", tensors={f"rope_factors_{kind}.weight": np.ones(8, dtype=np.float32)
+                                   for kind in ("long", "short")}),
         "'longrope' without short_factor or original_max_position_embeddings"),
     "longrope outside phi3": (dict(tensors={"rope_factors_short.weight": np.ones(8, dtype=np.float32)}),
                               "'longrope' .* not supported for 'llama'"),

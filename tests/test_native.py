@@ -246,7 +246,8 @@ def test_layers_the_kernels_do_not_implement_run_on_torch(case, tmp_path, monkey
     tensors = {}
     for tensor_name, array in gguf_tensors(source, arch).items():
         if array.ndim == 2:
-            kind = gguf.GGMLQuantizationType.Q8_0 if tensor_name == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_0
+            embedding = tensor_name == "token_embd.weight"
+            kind = gguf.GGMLQuantizationType.Q8_0 if embedding else gguf.GGMLQuantizationType.Q4_0
             tensors[tensor_name] = (gguf.quants.quantize(array, kind), kind)
     path = write_gguf(tmp_path / "tiny.gguf", source, arch, name, keys, tensors)
     model = loader.load_model(path, torch.bfloat16)

@@ -207,7 +207,8 @@ def test_gemma3_image_text_checkpoint_runs_its_language_model(tmp_path):
                   patch_size=14)
     torch.manual_seed(0)
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                       boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, image_token_index=VOCAB - 1)
+                                       boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+                                       image_token_index=VOCAB - 1)
     hf = transformers.Gemma3ForConditionalGeneration(config).eval().requires_grad_(False)
     for name, param in hf.named_parameters():
         if "norm" in name:

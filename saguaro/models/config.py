@@ -237,5 +237,6 @@ def _longrope(rope: dict, hf: dict, max_positions: int) -> tuple[dict, int]:
     attention = rope.get("attention_factor")
     if attention is None:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-    scaling = {"rope_type": "longrope", "short_factor": list(rope["short_factor"]), "attention_factor": float(attention)}
+    scaling = {"rope_type": "longrope", "short_factor": list(rope["short_factor"]),
+               "attention_factor": float(attention)}
     return scaling, min(max_positions, original)

@@ -187,7 +187,8 @@ def gguf_rope_scaling(reader: GGUFFile, arch: str, rotary_dim: int) -> dict | No
                 "attention_factor": float(get("rope.scaling.attn_factor", 1.0)),
                 "original_max_position_embeddings": get("rope.scaling.original_context_length")}
     if any(t.name.startswith("rope_factors_") for t in reader.tensors):
-        raise UnsupportedModelError(f"GGUF rope scaling 'longrope' (rope_factors_long/short) is not supported for {arch!r}")
+        raise UnsupportedModelError(
+            f"GGUF rope scaling 'longrope' (rope_factors_long/short) is not supported for {arch!r}")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is None:
         return None if factor == 1.0 else {"rope_type": "linear", "factor": float(factor)}
