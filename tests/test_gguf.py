@@ -1,9 +1,10 @@
 """GGUF files as llama.cpp writes them load into the model they were converted from.
 
 Each case converts a tiny random-weight transformers model to GGUF here, the way llama.cpp's
-convert_hf_to_gguf.py does (q/k rows permuted for the "llama" architecture, Llama 3's rope
-scaling baked into a `rope_freqs` tensor of per-dimension divisors, Mistral written as
-"llama"), then compares saguaro's logits on the file with the source model's and, where
+convert_hf_to_gguf.py does (q/k rows permuted for the "llama" and "smollm3" architectures,
+Llama 3's rope scaling baked into a `rope_freqs` tensor of per-dimension divisors, Mistral
+written as "llama", Phi-3's fused projections kept fused, Gemma's norm weights stored with the
+1 its norm adds), then compares saguaro's logits on the file with the source model's and, where
 transformers' own GGUF reader reads the file faithfully, with that reader's.
 """
 from __future__ import annotations
@@ -29,6 +30,8 @@ LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
+
 # name: (GGUF architecture, general.name, transformers config, extra GGUF keys). With head_dim
 # 16 and a 64-token original context, Llama 3's divisors fall in all three bands (1,
 # interpolated, the factor).
@@ -46,9 +49,42 @@ CASES = {
     # transformers reads this as Llama (the same network); a general.name of exactly "mistral"
     # would send it to a Mistral path that today's gguf-py cannot serve.
     "mistral": ("llama", "Mistral tiny", lambda: transformers.MistralConfig(**SMALL), {}),
+    # llama.cpp skips rope on every 4th layer of a "smollm3" file (no key says so): layer 3 here.
+    "smollm3": ("smollm3", "SmolLM3 tiny", lambda: transformers.SmolLM3Config(
+        **SMALL | TOKEN_IDS | dict(num_hidden_layers=4), no_rope_layer_interval=4), {}),
+    # Rope over 12 of 16 head dimensions, a window of 8 on every layer.
+    "phi3": ("phi3", "Phi 3 tiny", lambda: transformers.Phi3Config(
+        **SMALL | TOKEN_IDS, sliding_window=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}),
+        {"rope.dimension_count": 12, "attention.sliding_window": 8, "rope.scaling.original_context_length": 256}),
+    # Phi-4-mini's longrope: rope_factors_long/short tensors, the attention factor and the original
+    # context as keys (convert_hf_to_gguf.py computes the factor as transformers does).
+    "phi3 longrope": ("phi3", "Phi 4 mini tiny", lambda: transformers.Phi3Config(
+        **SMALL | TOKEN_IDS | dict(max_position_embeddings=512), original_max_position_embeddings=128,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "original_max_position_embeddings": 128, "short_factor": [1.0, 1.3, 1.9, 2.6, 4.0, 7.5],
+                         "long_factor": [2.0, 3.0, 5.0, 9.0, 17.0, 30.0]}),
+        {"rope.dimension_count": 12, "rope.scaling.original_context_length": 128,
+         "rope.scaling.attn_factor": math.sqrt(1 + math.log(512 / 128) / math.log(128))}),
+    # llama.cpp fixes what no key carries: windows on even layers, queries scaled by the head width.
+    "gemma2": ("gemma2", "Gemma 2 tiny", lambda: transformers.Gemma2Config(
+        **SMALL | dict(num_hidden_layers=4), head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+        attn_logit_softcapping=1.0, final_logit_softcapping=2.0, attn_implementation="eager"),
+        {"attention.sliding_window": 4, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0}),
+    # Windows on 5 layers of 6 with a rope base of 10000, linear scaling on the sixth.
+    "gemma3": ("gemma3", "Gemma 3 tiny", lambda: transformers.Gemma3TextConfig(
+        **SMALL | dict(num_hidden_layers=6), head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+        final_logit_softcapping=2.0, attn_implementation="eager",
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        {"attention.sliding_window": 4, "final_logit_softcapping": 2.0, "rope.scaling.type": "linear",
+         "rope.scaling.factor": 2.0}),
 }
 # transformers' GGUF reader drops rope scaling for "llama" files (rope_freqs and the linear
-# keys alike), so those files are compared with their source model only.
+# keys alike); for Gemma files it keeps its own soft caps, query scale and Gemma 3 rope in place
+# of the file's and llama.cpp's; it reads no "smollm3" file and builds no tiny "phi3" one (its
+# default pad token lies outside the vocabulary). Those files are compared with their source
+# model only.
 READ_RIGHT_BY_TRANSFORMERS = ("qwen2", "qwen3", "mistral")
 
 _LAYER_NAMES = {
@@ -57,6 +93,12 @@ _LAYER_NAMES = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
+_ARCH_LAYER_NAMES = {
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+    "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+}
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 _TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -93,16 +135,22 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
             continue
         base, _, kind = name.rpartition(".")
         array = value.float().numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            array = array + 1
         if base in _TOP_NAMES:
             tensors[f"{_TOP_NAMES[base]}.{kind}"] = array
             continue
         layer, part = base.removeprefix("model.layers.").split(".", 1)
-        if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+        if arch in ("llama", "smollm3") and part in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = config.num_attention_heads if part == "self_attn.q_proj" else config.num_key_value_heads
             array = permute_for_llama_cpp(array, heads)
-        tensors[f"blk.{layer}.{_LAYER_NAMES[part]}.{kind}"] = array
+        tensors[f"blk.{layer}.{(_LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {}))[part]}.{kind}"] = array
     if (config.rope_parameters or {}).get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_divisors(config)
+    if (config.rope_parameters or {}).get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            factors = config.rope_parameters[f"{kind}_factor"]
+            tensors[f"rope_factors_{kind}.weight"] = np.array(factors, dtype=np.float32)
     return tensors
 
 
@@ -113,11 +161,13 @@ def write_gguf(path: Path, model, arch: str, name: str, keys: dict | None = None
     (blocks, type) is written as those quantized blocks."""
     config = model.config
     head_dim = getattr(config, "head_dim", None)
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base
     metadata = {
         "context_length": config.max_position_embeddings, "embedding_length": config.hidden_size,
         "block_count": config.num_hidden_layers, "feed_forward_length": config.intermediate_size,
         "attention.head_count": config.num_attention_heads, "attention.head_count_kv": config.num_key_value_heads,
-        "rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        "rope.freq_base": float(rope["rope_theta"]),
         "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
         "rope.dimension_count": head_dim or config.hidden_size // config.num_attention_heads,
     }
@@ -142,9 +192,14 @@ def write_gguf(path: Path, model, arch: str, name: str, keys: dict | None = None
 
 
 def source_model(case: str):
+    """Random weights, the norms' included (Gemma's start at zero, the others' at one)."""
     torch.manual_seed(0)
     config = CASES[case][2]()
-    return transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.add_(torch.randn_like(param) * 0.3)
+    return model
 
 
 def saguaro_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -191,13 +246,19 @@ def test_gguf_matches_transformers_reading_it(converted):
 
 
 UNSUPPORTED = {
-    "architecture": (dict(arch="phi3"), "unsupported GGUF architecture 'phi3'"),
+    "architecture": (dict(arch="falcon"), "unsupported GGUF architecture 'falcon'"),
     # No GGUF writer knows a "mistral" architecture, so its q/k row order is undefined.
     "mistral architecture": (dict(arch="mistral"), "writes Mistral models as 'llama'"),
     "yarn rope": (dict(keys={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}), "rope scaling 'yarn'"),
     "partial rope": (dict(keys={"rope.dimension_count": 8}), "partial rope"),
-    "unknown tensor": (dict(tensors={"rope_factors_long.weight": np.ones(8, dtype=np.float32)}),
-                       "rope_factors_long"),
+    "unknown tensor": (dict(tensors={"blk.0.attn_gate.weight": np.ones((8, 64), dtype=np.float32)}),
+                       "attn_gate"),
+    "longrope without its original context": (
+        dict(arch="phi3", tensors={f"rope_factors_{kind}.weight": np.ones(8, dtype=np.float32)
+                                   for kind in ("long", "short")}),
+        "'longrope' without short_factor or original_max_position_embeddings"),
+    "longrope outside phi3": (dict(tensors={"rope_factors_short.weight": np.ones(8, dtype=np.float32)}),
+                              "'longrope' .* not supported for 'llama'"),
 }
 
 

@@ -142,3 +142,20 @@ def test_sd_on_two_ranks_check_catches_a_broken_acceptance_rule(tiny_two_ranks, 
 def test_tensor_parallel_refuses_quantized_weights():
     with pytest.raises(ValueError, match="full-precision"):
         LLM(hub.DEFAULT_MODEL, method="ar", quantization="int4", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("arch", ["smollm3", "phi3", "gemma2", "gemma3_text"])
+def test_two_ranks_run_the_other_architectures(arch, tmp_path):
+    """Per-head features (q/k norms, soft caps, partial or absent rope, windows) slice with the
+    heads, and the sandwich norms read the summed outputs: two ranks give transformers' logits."""
+    from test_parity import hf_logits, max_diff, saguaro_logits, tiny_model
+
+    hf = tiny_model(arch)
+    hf.save_pretrained(tmp_path)
+    ranks = tensor_parallel(tmp_path, torch.float32, 2)
+    try:
+        assert ranks.config.num_kv_heads == 1
+        tokens = list(range(3, 83))
+        assert max_diff(saguaro_logits(ranks, tokens), hf_logits(hf, tokens)) < 1e-4
+    finally:
+        ranks.tensor_parallel.close()

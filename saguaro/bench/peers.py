@@ -64,6 +64,8 @@ def as_transformers(draft: LlamaModel):
     if draft.reads_features:
         raise ValueError("an EAGLE draft reads the target's hidden states: transformers cannot run it as an assistant")
     c = draft.config
+    if not c.llama_like:  # Gemma's norms, windows, partial or absent rope: Llama's layers have none
+        raise ValueError(f"a {c.architecture} draft's layers are not Llama's: transformers' Llama cannot run it")
     rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
     config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                          num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,

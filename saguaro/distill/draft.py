@@ -18,7 +18,7 @@ import torch
 
 from saguaro.distill.teacher import Sequence
 from saguaro.models.eagle import model_class
-from saguaro.models.llama import LlamaModel, rope_inv_freq
+from saguaro.models.llama import LlamaModel
 
 
 @dataclass
@@ -46,8 +46,12 @@ def init_draft(target: LlamaModel, spec: DraftSpec, vocab_ids: torch.Tensor) -> 
     draft's head stays frozen: it learns the target's hidden state, which those rows read."""
     if spec.eagle and len(spec.layers) != 1:
         raise ValueError("an EAGLE draft has one layer: give one target layer to start from")
-    config = dataclasses.replace(target.config, num_layers=len(spec.layers), tie_word_embeddings=False,
-                                 head_vocab_size=len(vocab_ids), eagle=spec.eagle)
+    target_config = target.config
+    # Per-layer features (no rope, a sliding window) follow the layers the draft copies.
+    config = dataclasses.replace(
+        target_config, num_layers=len(spec.layers), tie_word_embeddings=False, head_vocab_size=len(vocab_ids),
+        eagle=spec.eagle, no_rope_layers=[i for i, j in enumerate(spec.layers) if j in target_config.no_rope_layers],
+        sliding_layers=[i for i, j in enumerate(spec.layers) if j in target_config.sliding_layers])
     draft = model_class(config)(config)
     state = {"embed_tokens.weight": target.embed_tokens.weight, "norm.weight": target.norm.weight,
              "lm_head.weight": target.lm_head.weight[vocab_ids], "head_token_ids": vocab_ids}
@@ -63,7 +67,7 @@ def init_draft(target: LlamaModel, spec: DraftSpec, vocab_ids: torch.Tensor) -> 
             if name.startswith(f"layers.{j}."):
                 state[f"layers.{i}." + name.removeprefix(f"layers.{j}.")] = value
     draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    draft.inv_freq = rope_inv_freq(config)
+    draft.reset_rope()
     draft.embed_tokens.weight.requires_grad_(False)
     if spec.eagle:
         draft.lm_head.weight.requires_grad_(False)
@@ -81,7 +85,7 @@ def eagle_from(standalone: LlamaModel) -> LlamaModel:
     state["fc.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
     state["feature_norm.weight"] = embedding_scale(standalone).expand(hidden)
     draft.load_state_dict(state)
-    draft.inv_freq = rope_inv_freq(config)
+    draft.reset_rope()
     draft.embed_tokens.weight.requires_grad_(False)
     return draft
 

@@ -43,15 +43,18 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              attn_mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v over [B, H, rows, D] queries, in fp32, rounded once at the end."""
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attn_mask: torch.Tensor | None,
+              scale: float | None = None, cap: float | None = None) -> torch.Tensor:
+    """softmax(cap(q k^T * scale)) v over [B, H, rows, D] queries, in fp32, rounded once at the
+    end; scale defaults to 1/sqrt(D), cap (Gemma 2's soft-capping) to none."""
     rows = q.shape[2]
     if rows < MIN_QUERY_ROWS:
         q = torch.cat([q, q[:, :, -1:].expand(-1, -1, MIN_QUERY_ROWS - rows, -1)], dim=2)
         if attn_mask is not None:
             attn_mask = torch.cat([attn_mask, attn_mask[:, :, -1:].expand(-1, -1, MIN_QUERY_ROWS - rows, -1)], dim=2)
-    scores = (q.float() @ keys.float().transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
+    scores = (q.float() @ keys.float().transpose(-1, -2)).mul_(scale or q.shape[-1] ** -0.5)
+    if cap is not None:
+        scores = torch.tanh(scores / cap).mul_(cap)
     if attn_mask is not None:
         scores.masked_fill_(~attn_mask, float("-inf"))
     out = scores.softmax(dim=-1) @ values.float()

@@ -1,4 +1,5 @@
-"""One Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2) in plain PyTorch.
+"""One Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2/3, Phi-3, Gemma 2/3) in plain
+PyTorch; what the architectures do differently is in ModelConfig's fields.
 
 Every call names the tokens, their positions, the KV-cache slots they are written to and
 which cache slots each of them may attend to. That one signature serves prefill, one-token
@@ -18,12 +19,15 @@ from saguaro.models.kv_cache import KVCache, as_slice
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset  # Gemma scales by (1 + weight), in fp32 like its reference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            return F.rms_norm(x.float(), self.weight.shape, self.weight.float() + self.offset, self.eps).to(x.dtype)
         # One fused op; for bf16 it computes in fp32 and rounds once, like
         # (x.float() * rsqrt(mean(x.float()**2) + eps) * weight.float()).to(bf16). Mixed dtypes
         # (bf16 activations, fp32 weights under autocast in training) do the same explicitly.
@@ -42,13 +46,15 @@ class Embedding(nn.Embedding):
             super().reset_parameters()
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with the linear or llama3 long-context scaling when configured, or
-    divided by per-dimension `divisors` (how a GGUF file carries Llama 3's scaling)."""
-    dim = config.head_dim
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies over the rotated dimensions, with the linear, llama3 or longrope
+    long-context scaling when configured, or divided by per-dimension `divisors` (how a GGUF
+    file carries Llama 3's scaling). `local`: Gemma 3's sliding layers' own base, unscaled."""
+    dim = config.rotary_dim
+    theta = config.rope_local_theta if local else config.rope_theta
     # on the CPU also where a model is built on the meta device (whose arange imports for seconds)
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
-    scaling = config.rope_scaling or {}
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
+    scaling = {} if local else config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -63,15 +69,37 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
                                torch.where(wavelen > old_ctx / low, inv_freq / factor, scaled))
     elif kind == "divisors":
         inv_freq = inv_freq / torch.tensor(scaling["divisors"], dtype=torch.float64, device="cpu")
+    elif kind == "longrope":  # within the original context: the short factors
+        inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64, device="cpu")
     elif kind != "default":
         raise NotImplementedError(f"rope scaling {kind!r} is not supported")
     return inv_freq.float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos/sin: [B, T, 1, D/2] (rotate-half layout, as in Hugging Face)."""
+    """x: [B, T, H, D]; cos/sin: [B, T, 1, R/2] (rotate-half layout, as in Hugging Face). With
+    partial rotary (R < D) only the first R dimensions turn; the rest pass through."""
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's soft limit on attention scores and logits: cap * tanh(x / cap)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attn_mask: torch.Tensor | None,
+              scale: float | None = None, cap: float | None = None) -> torch.Tensor:
+    """softmax(cap(q k^T * scale)) v; SDPA unless the scores are soft-capped, which it cannot do."""
+    if cap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=scale)
+    scores = softcap((q @ keys.transpose(-1, -2)).float() * (scale or q.shape[-1] ** -0.5), cap)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return (scores.softmax(dim=-1).to(q.dtype) @ values)
 
 
 class Attention(nn.Module):
@@ -82,8 +110,10 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_offset) if config.qk_norm else None
+        self.rope = layer_idx not in config.no_rope_layers
+        self.scale, self.softcap = config.attn_scale, config.attn_softcap
         self.batch_invariant = False  # see LlamaModel.set_batch_invariant
         self.reduce = None  # tensor parallel: sums the ranks' partial outputs (saguaro.models.tensor_parallel)
 
@@ -95,15 +125,16 @@ class Attention(nn.Module):
         qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])), dim=2)
-        qk = apply_rope(qk, cos, sin)  # q and k rotated together: one pass instead of two
+        if self.rope:
+            qk = apply_rope(qk, cos, sin)  # q and k rotated together: one pass instead of two
         q, k = qk[:, :, :H], qk[:, :, H:]
         keys, values = cache.write(self.layer_idx, rows, slots, k, v, span=span)
         # Grouped-query attention without copying K/V: the G query heads sharing one KV head
         # are stacked along the query axis (attn_mask is already laid out that way).
         G = H // Hkv
         q = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        attend = invariant.attention if self.batch_invariant else F.scaled_dot_product_attention
-        out = attend(q, keys, values, attn_mask=attn_mask)
+        attend = invariant.attention if self.batch_invariant else attention
+        out = attend(q, keys, values, attn_mask, self.scale, self.softcap)
         out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
         return _reduced(self.reduce, project(self.o_proj, out))
 
@@ -113,13 +144,17 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.activation = _ACTIVATIONS[config.mlp_activation]
         self.batch_invariant = False  # see LlamaModel.set_batch_invariant
         self.reduce = None  # see Attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         project = invariant.project if self.batch_invariant else _call
         gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)
-        return _reduced(self.reduce, project(self.down_proj, F.silu(gate) * up))
+        return _reduced(self.reduce, project(self.down_proj, self.activation(gate) * up))
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -134,16 +169,27 @@ def _reduced(reduce, x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP. With `post_norms` (Gemma), post_attention_layernorm norms
+    the attention's output, as Hugging Face names it, and two more norms wrap the MLP."""
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)  # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(config)
+        self.pre_feedforward_layernorm = norm() if config.post_norms else None
+        self.post_feedforward_layernorm = norm() if config.post_norms else None
+        self.sliding = layer_idx in config.sliding_layers  # which mask and rope LlamaModel passes
 
     def forward(self, x, cos, sin, cache, rows, slots, attn_mask, span):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, rows, slots, attn_mask, span)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, rows, slots, attn_mask, span)
+        if self.pre_feedforward_layernorm is None:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
@@ -160,7 +206,7 @@ class LlamaModel(nn.Module):
         self.batch_invariant = False
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.lm_head = nn.Linear(config.hidden_size, config.head_vocab_size or config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -168,9 +214,19 @@ class LlamaModel(nn.Module):
             # Vocabulary id of each head row; saved with the weights.
             self.register_buffer("head_token_ids", torch.zeros(config.head_vocab_size, dtype=torch.long))
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        if config.rope_local_theta is not None:  # Gemma 3's sliding layers' rope
+            self.register_buffer("inv_freq_local", rope_inv_freq(config, local=True), persistent=False)
+        else:
+            self.inv_freq_local = None
         self.native_layers = None  # saguaro.models.native.NativeLayers, where the loader attached them
         self.quantization: str | None = None  # the mode the loader built it in (saguaro.models.quantized)
         self.tensor_parallel = None  # rank 0 of a tensor-parallel target: its Driver (saguaro.models.tensor_parallel)
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """Computes the rope buffers anew: a model built on the meta device has none."""
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+        if self.inv_freq_local is not None:
+            self.inv_freq_local = rope_inv_freq(self.config, local=True).to(device)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Whether each position's logits are bit-identical however many tokens and sequences
@@ -196,7 +252,10 @@ class LlamaModel(nn.Module):
         first S slots each token attends to (default: causal over slots). Returns [B, T, hidden]."""
         if self.tensor_parallel is not None:  # the other ranks run the same pass on their slices
             self.tensor_parallel.announce(tokens, positions, cache, rows, slots, mask)
-        return self.run_layers(self.embed_tokens(tokens), positions, cache, rows, slots, mask)
+        x = self.embed_tokens(tokens)
+        if self.config.embed_scale is not None:  # rounded to the weights' dtype, as Gemma does
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return self.run_layers(x, positions, cache, rows, slots, mask)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                    rows: torch.Tensor | None = None, slots: torch.Tensor | None = None,
@@ -209,13 +268,22 @@ class LlamaModel(nn.Module):
         if mask.shape[-1] > cache.num_slots:
             raise IndexError(f"the KV cache has {cache.num_slots} slots; {mask.shape[-1]} needed")
         freqs = positions[..., None].float() * self.inv_freq
-        cos, sin = freqs.cos(), freqs.sin()  # [B, T, head_dim / 2]
+        cos, sin = freqs.cos(), freqs.sin()  # [B, T, rotary_dim / 2]
+        if self.config.rope_attention_factor != 1.0:
+            cos, sin = cos * self.config.rope_attention_factor, sin * self.config.rope_attention_factor
         rows = as_slice(rows)
         if self.native_layers is not None:
             return self.native_layers.run(x, cos, sin, cache, rows, slots, mask, mask.shape[-1])  # norm included
-        cos, sin = cos[:, :, None], sin[:, :, None]
-        attn_mask = gqa_mask(mask, self.config.num_heads // self.config.num_kv_heads)
+        group = self.config.num_heads // self.config.num_kv_heads
+        full = (cos[:, :, None], sin[:, :, None], gqa_mask(mask, group))
+        local = full
+        if self.config.sliding_layers:
+            local = (*full[:2], gqa_mask(window_mask(mask, self.config.sliding_window), group))
+            if self.inv_freq_local is not None:
+                freqs = positions[..., None, None].float() * self.inv_freq_local
+                local = (freqs.cos(), freqs.sin(), local[2])
         for layer in self.layers:
+            cos, sin, attn_mask = local if layer.sliding else full
             x = layer(x, cos, sin, cache, rows, slots, attn_mask, mask.shape[-1])
         return self.norm(x)
 
@@ -229,7 +297,7 @@ class LlamaModel(nn.Module):
         Drafts sample in this space (all the mass is there, at a fraction of the width) and
         map rows to token ids with `head_token`."""
         project = invariant.project if self.batch_invariant else _call
-        return project(self.lm_head, hidden).float()
+        return softcap(project(self.lm_head, hidden).float(), self.config.logit_softcap)
 
     def head_token(self, rows: torch.Tensor) -> torch.Tensor:
         return rows if self.config.head_vocab_size is None else self.head_token_ids[rows]
@@ -252,6 +320,14 @@ def causal_mask(slots: torch.Tensor) -> torch.Tensor:
     """Each token sees every slot up to its own: right for sequences stored contiguously."""
     span = int(slots.max()) + 1
     return torch.arange(span, device=slots.device) <= slots[..., None]
+
+
+def window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """Of the slots each token sees, only its last `window`: its own and the window - 1 positions
+    before it. A token sees its ancestors, one per position, stored in position order (a prefix,
+    then a tree path, each node after its parent), so they are the last `window` it sees."""
+    seen_after = mask.flip(-1).cumsum(-1).flip(-1)  # slots seen at or after each slot
+    return mask & (seen_after <= window)
 
 
 def gqa_mask(mask: torch.Tensor, group: int) -> torch.Tensor | None:

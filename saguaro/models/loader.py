@@ -16,7 +16,7 @@ from saguaro.models.config import ModelConfig, UnsupportedModelError
 from saguaro.models.eagle import model_class
 from saguaro.models.gguf_file import GGUFFile, read_gguf_file
 from saguaro.models.hub import cache_dir
-from saguaro.models.llama import LlamaModel, rope_inv_freq
+from saguaro.models.llama import LlamaModel
 from saguaro.models.packed import pack_linears
 from saguaro.models.quantized import (GROUP, FileBlocks, GroupCodes, GroupInt4, GroupInt5, GroupInt6, GroupInt8,
                                       StackedCodes, check_mode, quantized_linear)
@@ -28,6 +28,14 @@ _GGUF_LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's llama.cpp names mean other Hugging Face tensors: Phi-3's fused
+# projections (ffn_up holds gate and up), Gemma's sandwich norms (ffn_norm is the pre-MLP norm).
+_GGUF_ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+_GGUF_ARCH_LAYER_NAMES["gemma3"] = _GGUF_ARCH_LAYER_NAMES["gemma2"]
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -56,14 +64,41 @@ def checkpoint_files(path: Path) -> tuple[Path, Path | None]:
 def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    hf = json.loads((folder / "config.json").read_text())
+    image_text = hf.get("model_type") == "gemma3"
+    config = ModelConfig.from_hf(gemma3_language_config(hf) if image_text else hf)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{folder} has no .safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(file))
-    return config, state
+    return config, language_model_weights(state) if image_text else state
+
+
+def gemma3_language_config(hf: dict) -> dict:
+    """The language model's config of a Gemma 3 image-text checkpoint (the 4B to 27B models),
+    its defaults filled in: older files write only what differs from them."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**hf.get("text_config", {})).to_dict() | {
+        "tie_word_embeddings": hf.get("tie_word_embeddings", True)}
+
+
+# Where image-text checkpoints keep their language model's weights (transformers has written both).
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def language_model_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The language model's weights under a text model's names; the vision tower's are left out."""
+    weights = {}
+    for name, value in state.items():
+        for old, new in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(old):
+                weights[new + name.removeprefix(old)] = value
+                break
+    return weights
 
 
 # --- GGUF -----------------------------------------------------------------------------------
@@ -73,7 +108,10 @@ def _gguf_value(reader: GGUFFile, key: str, default=None):
 
 
 # Mistral has no GGUF architecture of its own: llama.cpp writes it as "llama".
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3")
+_HF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # where Hugging Face's name differs
+# Architectures whose q/k rows llama.cpp's converter reorders for interleaved rope.
+_PERMUTED_QK = ("llama", "smollm3")
 
 
 def gguf_hf_config(reader: GGUFFile) -> dict:
@@ -89,12 +127,13 @@ def gguf_hf_config(reader: GGUFFile) -> dict:
     head_dim = get("attention.key_length", hidden // heads)
     if get("attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError("GGUF value heads differ in width from key heads: not supported")
-    if get("rope.dimension_count", head_dim) != head_dim:
+    rotary = get("rope.dimension_count", head_dim)
+    if rotary != head_dim and arch != "phi3":
         raise UnsupportedModelError(
-            f"GGUF rope covers {get('rope.dimension_count')} of {head_dim} head dimensions: partial rope is not supported")
+            f"GGUF rope covers {rotary} of {head_dim} head dimensions: partial rope is not supported for {arch!r}")
     vocab = get("vocab_size") or len(_gguf_value(reader, "tokenizer.ggml.tokens"))
     config = {
-        "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
+        "model_type": _HF_MODEL_TYPES.get(arch, arch), "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"), "num_hidden_layers": get("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv", heads),
         "head_dim": head_dim, "rope_theta": get("rope.freq_base", 10000.0),
@@ -105,27 +144,59 @@ def gguf_hf_config(reader: GGUFFile) -> dict:
         "bos_token_id": _gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _gguf_value(reader, "tokenizer.ggml.eos_token_id"),
     }
-    rope_scaling = gguf_rope_scaling(reader, arch, head_dim)
+    rope_scaling = gguf_rope_scaling(reader, arch, rotary)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
-    return config
+    return config | _gguf_arch_config(arch, get, config, rotary)
 
 
-def gguf_rope_scaling(reader: GGUFFile, arch: str, head_dim: int) -> dict | None:
+def _gguf_arch_config(arch: str, get, config: dict, rotary: int) -> dict:
+    """Hugging Face config fields of the newer architectures, as llama.cpp's loader derives
+    them: some from keys, some fixed for the architecture (no key carries them)."""
+    layers, head_dim = config["num_hidden_layers"], config["head_dim"]
+    if arch == "smollm3":
+        return {"no_rope_layer_interval": 4}  # llama.cpp: rope skipped on every 4th layer
+    if arch == "phi3":
+        return {"partial_rotary_factor": rotary / head_dim,
+                "sliding_window": get("attention.sliding_window") or None}  # 0: none (Phi-4)
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    # The 27B models scale queries by hidden / heads, the others by the head width.
+    large = layers == (46 if arch == "gemma2" else 62)
+    gemma = {"hidden_activation": "gelu_pytorch_tanh",
+             "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if large else head_dim,
+             "final_logit_softcapping": get("final_logit_softcapping", 30.0 if arch == "gemma2" else None)}
+    if arch == "gemma2":
+        return gemma | {"sliding_window": get("attention.sliding_window", 4096),
+                        "attn_logit_softcapping": get("attn_logit_softcapping", 50.0)}
+    return gemma | {"sliding_window": get("attention.sliding_window") or None, "sliding_window_pattern": 6,
+                    "rope_local_base_freq": 10000.0}
+
+
+def gguf_rope_scaling(reader: GGUFFile, arch: str, rotary_dim: int) -> dict | None:
     """Rope scaling as llama.cpp applies it: inverse frequencies divided by a linear factor and
     by the per-dimension divisors of a `rope_freqs` tensor, where Llama 3's scaling is baked in
-    (its `rope.scaling.*` keys are not written). Any other scaling type raises."""
+    (its `rope.scaling.*` keys are not written), or Phi-3's longrope (`rope_factors_short`, in
+    contexts up to the original one; see ModelConfig). Any other scaling type raises."""
     get = lambda key, default=None: _gguf_value(reader, f"{arch}.{key}", default)  # noqa: E731
     kind = get("rope.scaling.type", "linear")  # llama.cpp's default when only a factor is given
     if kind not in ("none", "linear"):
         raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported")
     factor = (get("rope.scaling.factor") or get("rope.scale_linear") or 1.0) if kind == "linear" else 1.0
+    short = next((t for t in reader.tensors if t.name == "rope_factors_short.weight"), None)
+    if short is not None and arch == "phi3":
+        return {"rope_type": "longrope", "short_factor": dequantize_gguf(short).reshape(-1).tolist(),
+                "attention_factor": float(get("rope.scaling.attn_factor", 1.0)),
+                "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+    if any(t.name.startswith("rope_factors_") for t in reader.tensors):
+        raise UnsupportedModelError(
+            f"GGUF rope scaling 'longrope' (rope_factors_long/short) is not supported for {arch!r}")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is None:
         return None if factor == 1.0 else {"rope_type": "linear", "factor": float(factor)}
     divisors = np.asarray(dequantize_gguf(freqs), dtype=np.float64).reshape(-1)
-    if divisors.size != head_dim // 2:
-        raise UnsupportedModelError(f"GGUF rope_freqs has {divisors.size} entries, {head_dim // 2} expected")
+    if divisors.size != rotary_dim // 2:
+        raise UnsupportedModelError(f"GGUF rope_freqs has {divisors.size} entries, {rotary_dim // 2} expected")
     return {"rope_type": "divisors", "divisors": (divisors * factor).tolist()}
 
 
@@ -238,17 +309,19 @@ def _unpermute_rope(weight: torch.Tensor | GroupCodes | FileBlocks, n_head: int)
     return weight.rows(order) if isinstance(weight, (GroupCodes, FileBlocks)) else weight[order]
 
 
-def gguf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor; None for rope_freqs, which the config carries."""
+def gguf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor; None for rope_freqs and rope_factors_*, which the
+    config carries."""
     prefix, _, kind = gguf_name.rpartition(".")
-    if prefix == "rope_freqs":
+    if prefix in ("rope_freqs", "rope_factors_long", "rope_factors_short"):
         return None
     if prefix in _GGUF_TOP_NAMES:
         return f"{_GGUF_TOP_NAMES[prefix]}.{kind}"
     if prefix.startswith("blk."):
         _, layer, part = prefix.split(".", 2)
-        if part in _GGUF_LAYER_NAMES:
-            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+        names = _GGUF_LAYER_NAMES | _GGUF_ARCH_LAYER_NAMES.get(arch, {})
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name}")
 
 
@@ -256,19 +329,21 @@ def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupCo
     """Config and weights; the projections', head's and embedding's 4-bit and Q8_0 blocks as
     GroupInt4 / GroupInt6 / GroupInt8, everything else dequantized to fp32."""
     reader = read_gguf_file(file)
+    arch = _gguf_value(reader, "general.architecture")
     config = ModelConfig.from_hf(gguf_hf_config(reader))
     state: dict[str, torch.Tensor | GroupCodes] = {}
     for tensor in reader.tensors:
-        name = gguf_tensor_name(tensor.name)
+        name = gguf_tensor_name(tensor.name, arch)
         if name is None:
             continue
         grouped = name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
         weight = file_blocks(tensor) if grouped else None
         if weight is None:
             weight = torch.from_numpy(np.array(dequantize_gguf(tensor), dtype=np.float32))
-        # Only the "llama" architecture stores q/k rows in llama.cpp's interleaved order.
-        if config.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             weight = _unpermute_rope(weight, config.num_heads if ".q_proj." in name else config.num_kv_heads)
+        if config.norm_offset and name.endswith("norm.weight"):  # llama.cpp stores Gemma's as offset + weight
+            weight = weight - config.norm_offset
         state[name] = weight
     return config, state
 
@@ -276,7 +351,8 @@ def read_gguf(file: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupCo
 # --- our module ------------------------------------------------------------------------------
 
 def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Maps Hugging Face parameter names onto LlamaModel's fused qkv and gate/up projections."""
+    """Maps Hugging Face parameter names onto LlamaModel's fused qkv and gate/up projections
+    (Phi-3's come fused)."""
     state = {}
     for name, value in hf_state.items():
         name = name.removeprefix("model.")
@@ -289,8 +365,9 @@ def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dic
             parts = [state.pop(f"{p}self_attn.{n}_proj.{kind}", None) for n in "qkv"]
             if all(t is not None for t in parts):
                 state[f"{p}self_attn.qkv_proj.{kind}"] = _cat(parts)
-        state[f"{p}mlp.gate_up_proj.weight"] = _cat(
-            [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")])
+        if f"{p}mlp.gate_up_proj.weight" not in state:  # Phi-3 checkpoints hold them fused already
+            state[f"{p}mlp.gate_up_proj.weight"] = _cat(
+                [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")])
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     return state
@@ -354,7 +431,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCod
         model.set_submodule(module, layer)
     if config.tie_word_embeddings and "lm_head" not in quantized:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config)
+    model.reset_rope()
     model.quantization = mode
     return frozen(model.to(device))
 
@@ -447,7 +524,7 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32,
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config)
+    model.reset_rope()
     model = model.to(device)
     if quantization is not None:
         model.quantization = check_mode(quantization, dtype, torch.device(device))

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from saguaro.models.config import ModelConfig
 from saguaro.models.kv_cache import KVCache
-from saguaro.models.llama import LlamaModel, rope_inv_freq
+from saguaro.models.llama import LlamaModel
 
 TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -95,7 +95,7 @@ def shard_model(model: LlamaModel, rank: int, world: int) -> LlamaModel:
     shard.load_state_dict(shard_state(model.config, model.state_dict(), rank, world), strict=True, assign=True)
     if config.tie_word_embeddings:
         shard.lm_head.weight = shard.embed_tokens.weight
-    shard.inv_freq = rope_inv_freq(config).to(model.device)
+    shard.reset_rope(model.device)
     shard.quantization = model.quantization
     return frozen(shard)
 

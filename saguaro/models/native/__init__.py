@@ -326,6 +326,8 @@ def attach(model: torch.nn.Module) -> None:
     head_dim = model.config.head_dim
     if not available() or model.dtype != torch.bfloat16 or model.device.type != "cpu" or head_dim % 16 or head_dim > 256:
         return
+    if not model.config.llama_like:  # decoder_layer.c implements Llama/Qwen layers only
+        return
     for layer in model.layers:
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if not all(getattr(p, "native", False) for p in projections):
