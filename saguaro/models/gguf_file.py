@@ -122,5 +122,8 @@ def forget_pages(array: np.ndarray) -> None:
     if base is None or not array.nbytes:
         return
     start = array.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
-    ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(array.ctypes.data + array.nbytes - start),
-                              _MADV_DONTNEED)
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):  # no C library to ask (not a POSIX system): the pages stay
+        return
+    madvise(ctypes.c_void_p(start), ctypes.c_size_t(array.ctypes.data + array.nbytes - start), _MADV_DONTNEED)
