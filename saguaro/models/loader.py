@@ -474,7 +474,7 @@ SHARED_EMBEDDING = "embed_tokens.weight"
 
 
 class IncompatibleDraftError(ValueError):
-    """The draft cannot run with this target: different vocabularies or embedding widths."""
+    """The draft cannot run with this target: different tokenizers, vocabularies or embedding widths."""
 
 
 def is_saguaro_checkpoint(path: str | Path) -> bool:
@@ -579,6 +579,44 @@ def _check_vocab(draft: ModelConfig, target: ModelConfig, path) -> None:
         raise IncompatibleDraftError(
             f"draft {path} has a vocabulary of {draft.vocab_size} tokens, the target {target.vocab_size}: "
             "speculative decoding needs the same tokenizer")
+
+
+def tokenizer_identity(path: str | Path) -> tuple[list[str], int | None, int | None] | None:
+    """(token strings by id, BOS id, EOS id) of a checkpoint's tokenizer: a GGUF file's
+    `tokenizer.ggml.*` metadata or a Hugging Face folder's tokenizer; None for a saguaro
+    checkpoint, which has no tokenizer of its own."""
+    if is_saguaro_checkpoint(path):
+        return None
+    _, gguf_file = checkpoint_files(Path(path))
+    if gguf_file is not None:
+        fields = read_gguf_file(gguf_file).fields
+        return (list(fields.get("tokenizer.ggml.tokens", [])), fields.get("tokenizer.ggml.bos_token_id"),
+                fields.get("tokenizer.ggml.eos_token_id"))
+    tokenizer = load_tokenizer(path)
+    return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))), tokenizer.bos_token_id, tokenizer.eos_token_id
+
+
+def check_pair(draft: str | Path, target: str | Path) -> None:
+    """Raises IncompatibleDraftError where the draft's tokenizer differs from the target's: in
+    its number of tokens, in any token's string, or in its BOS or EOS id. Checkpoints without a
+    tokenizer of their own (saguaro's drafts) are left to load_draft's vocabulary check."""
+    draft_tokenizer, target_tokenizer = tokenizer_identity(draft), tokenizer_identity(target)
+    if draft_tokenizer is None or target_tokenizer is None:
+        return
+    (draft_tokens, *draft_special), (target_tokens, *target_special) = draft_tokenizer, target_tokenizer
+    if len(draft_tokens) != len(target_tokens):
+        raise IncompatibleDraftError(
+            f"the draft's vocabulary has {len(draft_tokens)} tokens, the target's tokenizer "
+            f"{len(target_tokens)}: speculative decoding needs the same tokenizer")
+    if draft_tokens != target_tokens:
+        token = next(i for i, (a, b) in enumerate(zip(draft_tokens, target_tokens)) if a != b)
+        raise IncompatibleDraftError(
+            f"token {token} is {draft_tokens[token]!r} in the draft and {target_tokens[token]!r} in the "
+            "target: speculative decoding needs the same tokenizer")
+    for name, ours, theirs in zip(("BOS", "EOS"), draft_special, target_special):
+        if ours != theirs:
+            raise IncompatibleDraftError(f"{name} is {ours} in the draft and {theirs} in the target: "
+                                         "speculative decoding needs the same special tokens")
 
 
 def _has_own_embeddings(folder: str | Path) -> bool:
