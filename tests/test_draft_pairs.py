@@ -1,7 +1,7 @@
 """Any draft file for any target file of the same tokenizer: two tiny random Llama models written
 as GGUF files with SmolLM2's tokenizer make a pair that SD, SSD and auto decode with exactly as
-AR does, and drafts whose tokenizer differs in a token, in EOS or in size are refused, the
-message naming the difference."""
+AR does, and drafts whose tokenizer differs in a token, in EOS or in size, or whose vocabulary
+is padded otherwise than the target's, are refused, the message naming the difference."""
 from __future__ import annotations
 
 import gguf
@@ -125,3 +125,14 @@ def test_a_different_vocabulary_size_is_named(files, smollm2_tokenizer, tmp_path
     tokenizer = smollm2_tokenizer | {"tokenizer.ggml.token_type": smollm2_tokenizer["tokenizer.ggml.token_type"][:-64]}
     message = refusal(files, tokenizer, tmp_path, tokens=tokens, vocab=len(tokens))
     assert f"the draft's vocabulary has {len(tokens)} tokens, the target's tokenizer {len(tokens) + 64}" in message
+
+
+def test_a_differently_padded_vocabulary_is_named(files, smollm2_tokenizer, tmp_path):
+    """A target whose embedding has 64 rows beyond its tokenizer's tokens (as Qwen's pad theirs),
+    with a draft of the tokenizer's size: refused, the sizes named."""
+    vocab = len(smollm2_tokenizer["tokenizer.ggml.tokens"])
+    target = write_pair_gguf(tmp_path / "padded.gguf", tiny_llama(vocab + 64, 1, 0), smollm2_tokenizer)
+    with pytest.raises(IncompatibleDraftError) as refused:
+        LLM(str(target), method="sd", draft=str(files[1]), dtype="float32")
+    assert (f"the draft's vocabulary has {vocab} rows and the target's {vocab + 64}, for a tokenizer of {vocab} "
+            "tokens") in str(refused.value)

@@ -66,7 +66,7 @@ def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     hf = json.loads((folder / "config.json").read_text())
     image_text = hf.get("model_type") == "gemma3"
-    config = ModelConfig.from_hf(gemma3_language_config(hf) if image_text else hf)
+    config = hf_model_config(hf)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{folder} has no .safetensors weights")
@@ -74,6 +74,11 @@ def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for file in files:
         state.update(load_file(file))
     return config, language_model_weights(state) if image_text else state
+
+
+def hf_model_config(hf: dict) -> ModelConfig:
+    """A Hugging Face config.json's ModelConfig (an image-text Gemma 3's: its language model's)."""
+    return ModelConfig.from_hf(gemma3_language_config(hf) if hf.get("model_type") == "gemma3" else hf)
 
 
 def gemma3_language_config(hf: dict) -> dict:
@@ -598,8 +603,10 @@ def tokenizer_identity(path: str | Path) -> tuple[list[str], int | None, int | N
 
 def check_pair(draft: str | Path, target: str | Path) -> None:
     """Raises IncompatibleDraftError where the draft's tokenizer differs from the target's: in
-    its number of tokens, in any token's string, or in its BOS or EOS id. Checkpoints without a
-    tokenizer of their own (saguaro's drafts) are left to load_draft's vocabulary check."""
+    its number of tokens, in any token's string, or in its BOS or EOS id; or where the two
+    tokenizers agree but the models' vocabularies are padded to different numbers of rows.
+    Checkpoints without a tokenizer of their own (saguaro's drafts) are left to load_draft's
+    vocabulary check."""
     draft_tokenizer, target_tokenizer = tokenizer_identity(draft), tokenizer_identity(target)
     if draft_tokenizer is None or target_tokenizer is None:
         return
@@ -617,6 +624,20 @@ def check_pair(draft: str | Path, target: str | Path) -> None:
         if ours != theirs:
             raise IncompatibleDraftError(f"{name} is {ours} in the draft and {theirs} in the target: "
                                          "speculative decoding needs the same special tokens")
+    draft_rows, target_rows = vocabulary_rows(draft), vocabulary_rows(target)
+    if draft_rows != target_rows:
+        raise IncompatibleDraftError(
+            f"the draft's vocabulary has {draft_rows} rows and the target's {target_rows}, for a tokenizer of "
+            f"{len(target_tokens)} tokens: vocabularies padded differently are not supported")
+
+
+def vocabulary_rows(path: str | Path) -> int:
+    """The rows of a GGUF file's or Hugging Face folder's embedding, as load_model reads them
+    (more than its tokenizer's tokens where the vocabulary is padded)."""
+    folder, gguf_file = checkpoint_files(Path(path))
+    if gguf_file is not None:
+        return gguf_hf_config(read_gguf_file(gguf_file))["vocab_size"]
+    return hf_model_config(json.loads((folder / "config.json").read_text())).vocab_size
 
 
 def _has_own_embeddings(folder: str | Path) -> bool:
