@@ -588,15 +588,19 @@ def _check_vocab(draft: ModelConfig, target: ModelConfig, path) -> None:
 
 def tokenizer_identity(path: str | Path) -> tuple[list[str], int | None, int | None] | None:
     """(token strings by id, BOS id, EOS id) of a checkpoint's tokenizer: a GGUF file's
-    `tokenizer.ggml.*` metadata or a Hugging Face folder's tokenizer; None for a saguaro
-    checkpoint, which has no tokenizer of its own."""
+    `tokenizer.ggml.*` metadata or a Hugging Face folder's tokenizer; None for a checkpoint
+    without a tokenizer of its own (saguaro's drafts, weights saved alone)."""
     if is_saguaro_checkpoint(path):
         return None
-    _, gguf_file = checkpoint_files(Path(path))
+    folder, gguf_file = checkpoint_files(Path(path))
     if gguf_file is not None:
         fields = read_gguf_file(gguf_file).fields
-        return (list(fields.get("tokenizer.ggml.tokens", [])), fields.get("tokenizer.ggml.bos_token_id"),
+        if "tokenizer.ggml.tokens" not in fields:
+            return None
+        return (list(fields["tokenizer.ggml.tokens"]), fields.get("tokenizer.ggml.bos_token_id"),
                 fields.get("tokenizer.ggml.eos_token_id"))
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
     tokenizer = load_tokenizer(path)
     return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))), tokenizer.bos_token_id, tokenizer.eos_token_id
 
@@ -605,8 +609,7 @@ def check_pair(draft: str | Path, target: str | Path) -> None:
     """Raises IncompatibleDraftError where the draft's tokenizer differs from the target's: in
     its number of tokens, in any token's string, or in its BOS or EOS id; or where the two
     tokenizers agree but the models' vocabularies are padded to different numbers of rows.
-    Checkpoints without a tokenizer of their own (saguaro's drafts) are left to load_draft's
-    vocabulary check."""
+    Checkpoints without a tokenizer of their own are left to load_draft's vocabulary check."""
     draft_tokenizer, target_tokenizer = tokenizer_identity(draft), tokenizer_identity(target)
     if draft_tokenizer is None or target_tokenizer is None:
         return
