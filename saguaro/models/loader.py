@@ -66,7 +66,7 @@ def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     hf = json.loads((folder / "config.json").read_text())
     image_text = hf.get("model_type") == "gemma3"
-    config = ModelConfig.from_hf(gemma3_language_config(hf) if image_text else hf)
+    config = hf_model_config(hf)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{folder} has no .safetensors weights")
@@ -74,6 +74,11 @@ def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for file in files:
         state.update(load_file(file))
     return config, language_model_weights(state) if image_text else state
+
+
+def hf_model_config(hf: dict) -> ModelConfig:
+    """A Hugging Face config.json's ModelConfig (an image-text Gemma 3's: its language model's)."""
+    return ModelConfig.from_hf(gemma3_language_config(hf) if hf.get("model_type") == "gemma3" else hf)
 
 
 def gemma3_language_config(hf: dict) -> dict:
@@ -474,7 +479,7 @@ SHARED_EMBEDDING = "embed_tokens.weight"
 
 
 class IncompatibleDraftError(ValueError):
-    """The draft cannot run with this target: different vocabularies or embedding widths."""
+    """The draft cannot run with this target: different tokenizers, vocabularies or embedding widths."""
 
 
 def is_saguaro_checkpoint(path: str | Path) -> bool:
@@ -579,6 +584,63 @@ def _check_vocab(draft: ModelConfig, target: ModelConfig, path) -> None:
         raise IncompatibleDraftError(
             f"draft {path} has a vocabulary of {draft.vocab_size} tokens, the target {target.vocab_size}: "
             "speculative decoding needs the same tokenizer")
+
+
+def tokenizer_identity(path: str | Path) -> tuple[list[str], int | None, int | None] | None:
+    """(token strings by id, BOS id, EOS id) of a checkpoint's tokenizer: a GGUF file's
+    `tokenizer.ggml.*` metadata or a Hugging Face folder's tokenizer; None for a checkpoint
+    without a tokenizer of its own (saguaro's drafts, weights saved alone)."""
+    if is_saguaro_checkpoint(path):
+        return None
+    folder, gguf_file = checkpoint_files(Path(path))
+    if gguf_file is not None:
+        fields = read_gguf_file(gguf_file).fields
+        if "tokenizer.ggml.tokens" not in fields:
+            return None
+        return (list(fields["tokenizer.ggml.tokens"]), fields.get("tokenizer.ggml.bos_token_id"),
+                fields.get("tokenizer.ggml.eos_token_id"))
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    tokenizer = load_tokenizer(path)
+    return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))), tokenizer.bos_token_id, tokenizer.eos_token_id
+
+
+def check_pair(draft: str | Path, target: str | Path) -> None:
+    """Raises IncompatibleDraftError where the draft's tokenizer differs from the target's: in
+    its number of tokens, in any token's string, or in its BOS or EOS id; or where the two
+    tokenizers agree but the models' vocabularies are padded to different numbers of rows.
+    Checkpoints without a tokenizer of their own are left to load_draft's vocabulary check."""
+    draft_tokenizer, target_tokenizer = tokenizer_identity(draft), tokenizer_identity(target)
+    if draft_tokenizer is None or target_tokenizer is None:
+        return
+    (draft_tokens, *draft_special), (target_tokens, *target_special) = draft_tokenizer, target_tokenizer
+    if len(draft_tokens) != len(target_tokens):
+        raise IncompatibleDraftError(
+            f"the draft's vocabulary has {len(draft_tokens)} tokens, the target's tokenizer "
+            f"{len(target_tokens)}: speculative decoding needs the same tokenizer")
+    if draft_tokens != target_tokens:
+        token = next(i for i, (a, b) in enumerate(zip(draft_tokens, target_tokens)) if a != b)
+        raise IncompatibleDraftError(
+            f"token {token} is {draft_tokens[token]!r} in the draft and {target_tokens[token]!r} in the "
+            "target: speculative decoding needs the same tokenizer")
+    for name, ours, theirs in zip(("BOS", "EOS"), draft_special, target_special):
+        if ours != theirs:
+            raise IncompatibleDraftError(f"{name} is {ours} in the draft and {theirs} in the target: "
+                                         "speculative decoding needs the same special tokens")
+    draft_rows, target_rows = vocabulary_rows(draft), vocabulary_rows(target)
+    if draft_rows != target_rows:
+        raise IncompatibleDraftError(
+            f"the draft's vocabulary has {draft_rows} rows and the target's {target_rows}, for a tokenizer of "
+            f"{len(target_tokens)} tokens: vocabularies padded differently are not supported")
+
+
+def vocabulary_rows(path: str | Path) -> int:
+    """The rows of a GGUF file's or Hugging Face folder's embedding, as load_model reads them
+    (more than its tokenizer's tokens where the vocabulary is padded)."""
+    folder, gguf_file = checkpoint_files(Path(path))
+    if gguf_file is not None:
+        return gguf_hf_config(read_gguf_file(gguf_file))["vocab_size"]
+    return hf_model_config(json.loads((folder / "config.json").read_text())).vocab_size
 
 
 def _has_own_embeddings(folder: str | Path) -> bool:

@@ -18,7 +18,7 @@ from saguaro.engine.round import Choice, Decoder, FixedPolicy
 from saguaro.engine.verifier import Verifier
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import IncompatibleDraftError, load_draft
+from saguaro.models.loader import IncompatibleDraftError, check_pair, load_draft
 from saguaro.models.prefix_cache import PrefixCache, new_prefix_cache
 from saguaro.speculation.local.drafters import Drafter, PromptLookupDrafter, model_drafter
 from saguaro.speculation.local.proposer import DraftProposer
@@ -166,6 +166,7 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
     path = None if spec.method == "ar" else draft_path(spec, model)
     if path is None:
         return ar_decoder(target, new_prefix_cache(prefix_cache_mb))
+    check_pair(path, hub.resolve(model))
     if spec.method in ("sd", "auto"):
         drafter = sd_drafter(load_draft(path, target), spec, prefix_cache_mb)
         prefix_cache = None if drafter.reads_target_features else new_prefix_cache(prefix_cache_mb)

@@ -1,0 +1,138 @@
+"""Any draft file for any target file of the same tokenizer: two tiny random Llama models written
+as GGUF files with SmolLM2's tokenizer make a pair that SD, SSD and auto decode with exactly as
+AR does, and drafts whose tokenizer differs in a token, in EOS or in size, or whose vocabulary
+is padded otherwise than the target's, are refused, the message naming the difference."""
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+import transformers
+
+from saguaro import LLM, SamplingParams
+from saguaro.models.gguf_file import read_gguf_file
+from saguaro.models.loader import IncompatibleDraftError
+from tests.test_gguf import gguf_tensors
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            initializer_range=0.1, max_position_embeddings=256)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+NEW_TOKENS = 24
+
+
+def tiny_llama(vocab_size: int, layers: int, seed: int):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=vocab_size, num_hidden_layers=layers, **TINY)
+    return transformers.LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+def write_pair_gguf(path, model, tokenizer: dict, tokens: list[str] | None = None, eos: int | None = None):
+    """`model` as a llama GGUF file with the tokenizer metadata `tokenizer` (SmolLM2's fields),
+    its token strings or EOS id replaced where given."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model(tokenizer["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(tokenizer["tokenizer.ggml.pre"])
+    writer.add_token_list(tokens or tokenizer["tokenizer.ggml.tokens"])
+    writer.add_token_types(tokenizer["tokenizer.ggml.token_type"])
+    writer.add_token_merges(tokenizer["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(tokenizer["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(tokenizer["tokenizer.ggml.eos_token_id"] if eos is None else eos)
+    writer.add_unk_token_id(tokenizer["tokenizer.ggml.unknown_token_id"])
+    writer.add_pad_token_id(tokenizer["tokenizer.ggml.padding_token_id"])
+    writer.add_add_bos_token(tokenizer["tokenizer.ggml.add_bos_token"])
+    writer.add_chat_template(tokenizer["tokenizer.chat_template"])
+    for name, array in gguf_tensors(model, "llama").items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_path) -> dict:
+    return {k: v for k, v in read_gguf_file(smollm2_path).fields.items() if k.startswith("tokenizer.")}
+
+
+@pytest.fixture(scope="module")
+def files(smollm2_tokenizer, tmp_path_factory):
+    """(target, draft) GGUF files of one tokenizer; the tokenizers converted from them are cached
+    in a cache of the module's own."""
+    folder = tmp_path_factory.mktemp("pair")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SAGUARO_CACHE", str(folder / "cache"))
+        vocab = len(smollm2_tokenizer["tokenizer.ggml.tokens"])
+        yield (write_pair_gguf(folder / "target.gguf", tiny_llama(vocab, 2, 0), smollm2_tokenizer),
+               write_pair_gguf(folder / "draft.gguf", tiny_llama(vocab, 1, 1), smollm2_tokenizer))
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(files):
+    with LLM(str(files[0]), method="ar", dtype="float32") as llm:
+        return greedy(llm)
+
+
+@pytest.mark.parametrize("method", ["sd", "ssd", "auto"])
+def test_pair_decodes_as_ar(files, ar_tokens, method):
+    target, draft = files
+    with LLM(str(target), method=method, draft=str(draft), dtype="float32") as llm:
+        assert greedy(llm) == ar_tokens
+        assert llm.decoder.counters.num_draft_tokens > 0  # the draft proposed
+    assert all(len(tokens) == NEW_TOKENS for tokens in ar_tokens)
+
+
+def refusal(files, smollm2_tokenizer, tmp_path, **changes) -> str:
+    vocab = changes.pop("vocab", len(smollm2_tokenizer["tokenizer.ggml.tokens"]))
+    draft = write_pair_gguf(tmp_path / "draft.gguf", tiny_llama(vocab, 1, 1), smollm2_tokenizer, **changes)
+    with pytest.raises(IncompatibleDraftError) as refused:
+        LLM(str(files[0]), method="sd", draft=str(draft), dtype="float32")
+    return str(refused.value)
+
+
+def test_a_changed_token_is_named(files, smollm2_tokenizer, tmp_path):
+    tokens = list(smollm2_tokenizer["tokenizer.ggml.tokens"])
+    original, tokens[1234] = tokens[1234], "foo"
+    message = refusal(files, smollm2_tokenizer, tmp_path, tokens=tokens)
+    assert f"token 1234 is 'foo' in the draft and {original!r} in the target" in message
+
+
+def test_a_different_eos_is_named(files, smollm2_tokenizer, tmp_path):
+    eos = smollm2_tokenizer["tokenizer.ggml.eos_token_id"]
+    message = refusal(files, smollm2_tokenizer, tmp_path, eos=eos + 1)
+    assert f"EOS is {eos + 1} in the draft and {eos} in the target" in message
+
+
+def test_a_different_vocabulary_size_is_named(files, smollm2_tokenizer, tmp_path):
+    tokens = list(smollm2_tokenizer["tokenizer.ggml.tokens"])[:-64]
+    tokenizer = smollm2_tokenizer | {"tokenizer.ggml.token_type": smollm2_tokenizer["tokenizer.ggml.token_type"][:-64]}
+    message = refusal(files, tokenizer, tmp_path, tokens=tokens, vocab=len(tokens))
+    assert f"the draft's vocabulary has {len(tokens)} tokens, the target's tokenizer {len(tokens) + 64}" in message
+
+
+def test_a_differently_padded_vocabulary_is_named(files, smollm2_tokenizer, tmp_path):
+    """A target whose embedding has 64 rows beyond its tokenizer's tokens (as Qwen's pad theirs),
+    with a draft of the tokenizer's size: refused, the sizes named."""
+    vocab = len(smollm2_tokenizer["tokenizer.ggml.tokens"])
+    target = write_pair_gguf(tmp_path / "padded.gguf", tiny_llama(vocab + 64, 1, 0), smollm2_tokenizer)
+    with pytest.raises(IncompatibleDraftError) as refused:
+        LLM(str(target), method="sd", draft=str(files[1]), dtype="float32")
+    assert (f"the draft's vocabulary has {vocab} rows and the target's {vocab + 64}, for a tokenizer of {vocab} "
+            "tokens") in str(refused.value)
