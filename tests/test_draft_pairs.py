@@ -12,7 +12,7 @@ import transformers
 from saguaro import LLM, SamplingParams
 from saguaro.models.gguf_file import read_gguf_file
 from saguaro.models.loader import IncompatibleDraftError
-from tests.test_gguf import gguf_tensors
+from test_gguf import gguf_tensors
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             initializer_range=0.1, max_position_embeddings=256)
