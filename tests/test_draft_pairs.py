@@ -4,7 +4,6 @@ AR does, and drafts whose tokenizer differs in a token, in EOS or in size, or wh
 is padded otherwise than the target's, are refused, the message naming the difference."""
 from __future__ import annotations
 
-import gguf
 import pytest
 import torch
 import transformers
@@ -12,7 +11,7 @@ import transformers
 from saguaro import LLM, SamplingParams
 from saguaro.models.gguf_file import read_gguf_file
 from saguaro.models.loader import IncompatibleDraftError
-from test_gguf import gguf_tensors
+from test_gguf import TOKENIZER_WRITERS, write_gguf
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             initializer_range=0.1, max_position_embeddings=256)
@@ -28,38 +27,11 @@ def tiny_llama(vocab_size: int, layers: int, seed: int):
 
 def write_pair_gguf(path, model, tokenizer: dict, tokens: list[str] | None = None, eos: int | None = None):
     """`model` as a llama GGUF file with the tokenizer metadata `tokenizer` (SmolLM2's fields),
-    its token strings or EOS id replaced where given."""
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_tokenizer_model(tokenizer["tokenizer.ggml.model"])
-    writer.add_tokenizer_pre(tokenizer["tokenizer.ggml.pre"])
-    writer.add_token_list(tokens or tokenizer["tokenizer.ggml.tokens"])
-    writer.add_token_types(tokenizer["tokenizer.ggml.token_type"])
-    writer.add_token_merges(tokenizer["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(tokenizer["tokenizer.ggml.bos_token_id"])
-    writer.add_eos_token_id(tokenizer["tokenizer.ggml.eos_token_id"] if eos is None else eos)
-    writer.add_unk_token_id(tokenizer["tokenizer.ggml.unknown_token_id"])
-    writer.add_pad_token_id(tokenizer["tokenizer.ggml.padding_token_id"])
-    writer.add_add_bos_token(tokenizer["tokenizer.ggml.add_bos_token"])
-    writer.add_chat_template(tokenizer["tokenizer.chat_template"])
-    for name, array in gguf_tensors(model, "llama").items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    its token strings or EOS id replaced where given; the vocabulary is the model's rows."""
+    fields = {key: tokenizer[key] for key in TOKENIZER_WRITERS} | {
+        "tokenizer.ggml.tokens": tokens or tokenizer["tokenizer.ggml.tokens"],
+        "tokenizer.ggml.eos_token_id": tokenizer["tokenizer.ggml.eos_token_id"] if eos is None else eos}
+    return write_gguf(path, model, "llama", "tiny", keys={"vocab_size": model.config.vocab_size}, tokenizer=fields)
 
 
 @pytest.fixture(scope="module")

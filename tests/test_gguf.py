@@ -154,11 +154,24 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+# GGUFWriter's method for each tokenizer key a test may copy from a real file
+TOKENIZER_WRITERS = {
+    "tokenizer.ggml.model": "add_tokenizer_model", "tokenizer.ggml.pre": "add_tokenizer_pre",
+    "tokenizer.ggml.tokens": "add_token_list", "tokenizer.ggml.token_type": "add_token_types",
+    "tokenizer.ggml.merges": "add_token_merges", "tokenizer.ggml.bos_token_id": "add_bos_token_id",
+    "tokenizer.ggml.eos_token_id": "add_eos_token_id", "tokenizer.ggml.unknown_token_id": "add_unk_token_id",
+    "tokenizer.ggml.padding_token_id": "add_pad_token_id", "tokenizer.ggml.add_bos_token": "add_add_bos_token",
+    "tokenizer.chat_template": "add_chat_template",
+}
+
+
 def write_gguf(path: Path, model, arch: str, name: str, keys: dict | None = None,
-               tensors: dict[str, np.ndarray | tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None) -> Path:
+               tensors: dict[str, np.ndarray | tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+               tokenizer: dict | None = None) -> Path:
     """`model` as a GGUF file with llama.cpp's metadata. `keys` (named without the architecture
     prefix) and `tensors` are added to, or replace, what the conversion writes; a tensor given as
-    (blocks, type) is written as those quantized blocks."""
+    (blocks, type) is written as those quantized blocks. `tokenizer` (GGUF keys, TOKENIZER_WRITERS')
+    replaces the placeholder token list with a real tokenizer."""
     config = model.config
     head_dim = getattr(config, "head_dim", None)
     rope = config.rope_parameters
@@ -175,7 +188,9 @@ def write_gguf(path: Path, model, arch: str, name: str, keys: dict | None = None
         metadata |= {"attention.key_length": head_dim, "attention.value_length": head_dim}
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name)
-    writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
+    tokenizer = tokenizer or {"tokenizer.ggml.tokens": [f"<t{i}>" for i in range(config.vocab_size)]}
+    for key, value in tokenizer.items():
+        getattr(writer, TOKENIZER_WRITERS[key])(value)
     for key, value in (metadata | (keys or {})).items():
         add = {str: writer.add_string, int: writer.add_uint32, float: writer.add_float32}[type(value)]
         add(f"{arch}.{key}", value)
