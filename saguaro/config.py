@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from saguaro.engine.tree import TreeShape
 from saguaro.models import hub
 from saguaro.models.loader import resolve_dtype
 from saguaro.models.quantized import MODES
@@ -109,8 +110,14 @@ class SpeculativeConfig:
                                   "runs; AR where the target has no draft)", choices=METHODS)
     draft: str | None = _option(None, "draft model: a known name or a checkpoint path (default: the target's "
                                       "shipped draft)")
-    num_speculative_tokens: int = _option(5, "draft tokens per round (K; auto: the most)", "-k",
-                                         "--num-speculative-tokens")
+    num_speculative_tokens: int = _option(5, "draft tokens per round (K; auto: the most); a token tree's depth",
+                                         "-k", "--num-speculative-tokens", "--speculative-num-steps")
+    tree_topk: int = _option(1, "grow token trees: expand the N most likely nodes at each of the K depths into "
+                                "their N most likely children (SGLang's speculative_eagle_topk); 1: chains",
+                             "--tree-topk", "--speculative-eagle-topk", metavar="N")
+    num_draft_tokens: int | None = _option(None, "the nodes of a token tree the target verifies (SGLang's "
+                                                 "speculative_num_draft_tokens)", "--num-draft-tokens",
+                                           "--speculative-num-draft-tokens", described="2K", metavar="N")
     prompt_lookup: int | None = _option(2, "where the last N tokens occurred earlier in the text, speculate "
                                            "what followed them instead of drafting; 0 turns it off", metavar="N")
     fan_out: str | list[int] = _option("geometric", "geometric, uniform, or K+1 comma-separated counts of cached "
@@ -145,6 +152,13 @@ class SpeculativeConfig:
             raise ValueError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
+        if self.tree_topk < 1:
+            raise ValueError("tree_topk must be >= 1")
+        if self.tree_topk == 1 and self.num_draft_tokens not in (None, self.num_speculative_tokens):
+            raise ValueError("num_draft_tokens sizes a token tree: set tree_topk > 1 (a chain verifies "
+                             "num_speculative_tokens)")
+        if self.tree is not None and self.method in ("ssd", "auto"):
+            raise ValueError(f"token trees run with method 'sd'; {self.method!r} does not grow them yet")
         if self.backup not in BACKUPS:
             raise ValueError(f"backup must be one of {', '.join(BACKUPS)}")
         self.backup = Backup(self.backup)
@@ -164,6 +178,14 @@ class SpeculativeConfig:
                                  f"not {self.fan_out!r}") from None
         if not isinstance(self.fan_out, str):
             self.fan_out = checked_fan_out(self.fan_out, self.num_speculative_tokens)
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The token tree SD grows each round; None: chains of K."""
+        if self.tree_topk == 1:
+            return None
+        k = self.num_speculative_tokens
+        return TreeShape(k, self.tree_topk, self.num_draft_tokens or 2 * k)
 
     @classmethod
     def of(cls, config: SpeculativeConfig | dict | None = None, **overrides) -> SpeculativeConfig:

@@ -16,8 +16,8 @@ class Outcome(NamedTuple):
 
 @dataclass
 class Proposal:
-    """The K tokens per sequence that a round verifies."""
-    tokens: torch.Tensor  # [B, K] vocabulary ids
+    """The K tokens per sequence that a round verifies, or a tree of tokens per sequence."""
+    tokens: torch.Tensor  # [B, K] vocabulary ids; a tree's [B, N] (a row's first len(parents[i]))
     probs: torch.Tensor | None  # [B, K, V]: the distributions really sampled from; None: point masses
     # sequences a draft model drafted one step at a time, with no more than the last round's
     # tokens to catch up on: the rounds whose time says what a draft step costs (method="auto")
@@ -25,3 +25,4 @@ class Proposal:
     looked_up: list[int] = field(default_factory=list)  # sequences whose tokens prompt lookup proposed
     hits: list[bool | None] | None = None  # SSD: whether each speculation was cached (None: a first round)
     start_s: float = 0.0  # time the proposer spent first on sequences it had not seen (their prompts)
+    parents: list[list[int]] | None = None  # token trees (saguaro.engine.tree): each node's parent; None: chains

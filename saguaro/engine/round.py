@@ -15,6 +15,7 @@ import torch
 
 from saguaro.engine.proposal import Outcome, Proposal
 from saguaro.engine.sequence import Sequence
+from saguaro.engine.tree import TreeShape
 from saguaro.engine.verifier import Verifier
 
 
@@ -54,6 +55,12 @@ class Choice:
     proposer: Proposer | None = None
     k: int = 0
     name: str = "ar"  # what metrics call it: "ar", "sd", "ssd"
+    tree: TreeShape | None = None  # the token trees the proposer grows (depth k)
+
+    @property
+    def span(self) -> int:
+        """The most draft tokens a round may propose: K, or a tree's KV slots past the text."""
+        return self.tree.span if self.tree is not None else self.k
 
 
 AR = Choice()
@@ -82,9 +89,9 @@ class SpecDecodeCounters:
     /metrics, SSD's and auto's views read the same records."""
     num_rounds: int = 0  # decoding rounds (prefills not counted)
     num_drafts: int = 0  # sequence rounds that verified a proposal
-    num_draft_tokens: int = 0  # tokens proposed
+    num_draft_tokens: int = 0  # tokens proposed (a tree's: its nodes, all scored by the target)
     num_accepted_tokens: int = 0  # proposed tokens the target accepted
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # ... at draft position 1, 2, ...
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # ... at draft position (tree depth) 1, 2, ...
     num_cache_lookups: int = 0  # SSD sequence rounds whose outcome the worker could have cached
     num_cache_hits: int = 0  # ... and did
 
@@ -94,7 +101,7 @@ class SpecDecodeCounters:
         proposal = record.proposal
         if proposal is None:
             return
-        k = proposal.tokens.shape[1]
+        k = proposal.tokens.shape[1]  # a tree's nodes verified, its accepted lengths its depths
         if len(self.num_accepted_tokens_per_pos) < k:
             self.num_accepted_tokens_per_pos += [0] * (k - len(self.num_accepted_tokens_per_pos))
         for seq, outcome in zip(record.seqs, record.outcomes):
@@ -102,7 +109,8 @@ class SpecDecodeCounters:
             for position in range(outcome.accepted_len):
                 self.num_accepted_tokens_per_pos[position] += 1
         self.num_drafts += len(record.seqs)
-        self.num_draft_tokens += k * len(record.seqs)
+        self.num_draft_tokens += (k * len(record.seqs) if proposal.parents is None
+                                  else sum(len(p) for p in proposal.parents))
         self.num_accepted_tokens += sum(o.accepted_len for o in record.outcomes)
         for seq, hit in zip(record.seqs, proposal.hits or ()):
             if hit is not None:  # None: the request's first SSD round, which nothing could hit
@@ -146,7 +154,7 @@ class FixedPolicy:
 
     @property
     def max_k(self) -> int:
-        return self.choice.k
+        return self.choice.span
 
     def proposers(self) -> list[Proposer]:
         return [] if self.choice.proposer is None else [self.choice.proposer]
@@ -222,7 +230,7 @@ class Decoder:
         if proposal is None:
             outcomes, hidden = self.verifier.decode(seqs)
         else:
-            outcomes, hidden = self.verifier.verify(seqs, proposal.tokens, proposal.probs)
+            outcomes, hidden = self.verifier.verify(seqs, proposal)
         verified = time.perf_counter()
         record = RoundRecord(choice, seqs, lengths_before, proposal, outcomes,
                              proposed - started - (proposal.start_s if proposal else 0.0), verified - proposed)

@@ -3,19 +3,26 @@ from __future__ import annotations
 
 import torch
 
+from saguaro.engine.tree import depths, tree_mask
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
 
 
 def forward_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]],
-                   starts: list[int], features: list[torch.Tensor] | None = None) -> torch.Tensor:
+                   starts: list[int], features: list[torch.Tensor] | None = None,
+                   parents: list[list[int]] | None = None) -> torch.Tensor:
     """Appends chunk i to cache row rows[i] at positions starts[i], starts[i]+1, ...
 
     Chunks are right-padded to one length; padding is written to the cache's last slot,
     which is kept as scratch and never attended to. Returns hidden states [B, T, hidden];
     row i's real tokens are the first len(chunks[i]). A model that reads features (an EAGLE
     draft) takes features[i], [len(chunks[i]), hidden], with chunk i.
+
+    parents: each chunk is a token tree instead (saguaro.engine.tree): token j's parent is
+    token parents[i][j] of its chunk (-1: none, the chunk's first token). Token j still goes to
+    slot starts[i] + j, but sits at position starts[i] + its depth and sees the row's earlier
+    slots, its ancestors and itself only.
     """
     device = model.device
     B, T = len(chunks), max(len(c) for c in chunks)
@@ -27,15 +34,18 @@ def forward_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: l
     # caches, every small torch operation runs cold (~15 us against 1 us warm), and a decode
     # step's bookkeeping was ~0.3 ms of it
     tokens, positions, slots = [], [], []
-    for chunk, start in zip(chunks, starts):
+    for i, (chunk, start) in enumerate(zip(chunks, starts)):
         padding = T - len(chunk)
         tokens += chunk + [0] * padding
-        positions += range(start, start + len(chunk))
+        positions += range(start, start + len(chunk)) if parents is None else [start + d for d in depths(parents[i])]
         positions += [0] * padding
         slots += range(start, start + len(chunk))
         slots += [scratch] * padding
     tokens, positions, slots = torch.tensor([tokens, positions, slots], device=device).view(3, B, T)
-    mask = torch.arange(span, device=device) <= slots[..., None]
+    if parents is None:
+        mask = torch.arange(span, device=device) <= slots[..., None]
+    else:
+        mask = tree_mask(parents, starts, T, span).to(device)
     rows_t = None if rows == list(range(B)) else torch.tensor(rows, device=device)
     extra = {}
     if model.reads_features:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from saguaro.engine.proposal import Outcome
+from saguaro.engine.proposal import Outcome, Proposal
 from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import WarpParams, sample, uniforms, warp
 from saguaro.engine.sequence import Sequence
+from saguaro.engine.tree import walk, walk_greedy
 from saguaro.engine.verify import point_masses, verify, verify_greedy
 from saguaro.models.kv_cache import CacheRows, KVCache, ensure_cache
 from saguaro.models.llama import LlamaModel
@@ -73,10 +74,12 @@ class Verifier:
             seq.commit([token])
         return [Outcome(0, token) for token in tokens], hidden
 
-    def verify(self, seqs: list[Sequence], draft_tokens: torch.Tensor,
-               draft_probs: torch.Tensor | None) -> tuple[list[Outcome], torch.Tensor]:
-        """One target pass over [last token, drafts]; commits accepted drafts + bonus. draft_probs
-        None means the drafts are point masses (greedy drafts, cheap backup tokens)."""
+    def verify(self, seqs: list[Sequence], proposal: Proposal) -> tuple[list[Outcome], torch.Tensor]:
+        """One target pass over [last token, drafts]; commits accepted drafts + bonus. Draft
+        distributions None mean the drafts are point masses (greedy drafts, cheap backup tokens)."""
+        if proposal.parents is not None:
+            return self.verify_tree(seqs, proposal.tokens, proposal.parents)
+        draft_tokens, draft_probs = proposal.tokens, proposal.probs
         B, K = draft_tokens.shape
         device = self.target.device
         draft_tokens = draft_tokens.to(device)
@@ -96,6 +99,40 @@ class Verifier:
             outcomes = [Outcome(*o) for o in zip(accepted_len.tolist(), bonus.tolist())]
         for seq, drafted, outcome in zip(seqs, drafts, outcomes):
             seq.commit(drafted[:outcome.accepted_len] + [outcome.bonus_token])
+        return outcomes, hidden
+
+    def verify_tree(self, seqs: list[Sequence], draft_tokens: torch.Tensor,
+                    parents: list[list[int]]) -> tuple[list[Outcome], torch.Tensor]:
+        """One target pass over [last token, tree nodes] (saguaro.engine.tree); commits the
+        accepted path and the bonus. The path's KV entries are moved to the slots after the
+        committed text; the other nodes' entries are left to be overwritten. The returned hidden
+        states hold each row's root and path first, as a chain's would."""
+        device = self.target.device
+        nodes = [row[:len(p)] for row, p in zip(draft_tokens.tolist(), parents)]
+        chunks = [[s.token_ids[-1]] + n for s, n in zip(seqs, nodes)]
+        starts = [len(s) - 1 for s in seqs]
+        rows = self._rows(seqs)
+        hidden = forward_chunks(self.target, self.cache, rows, chunks, starts,
+                                parents=[[-1] + [p + 1 for p in row] for row in parents])
+        logits = self.target.logits(hidden)
+        if all(s.params.greedy for s in seqs):
+            argmax = logits.argmax(-1).tolist()
+            walks = [walk_greedy(n, p, a) for n, p, a in zip(nodes, parents, argmax)]
+        else:
+            B, T = hidden.shape[:2]
+            params = WarpParams.of([s.params for s in seqs], device).repeat(T)
+            target_probs = warp(logits.flatten(0, 1), params).view(B, T, -1)
+            u = uniforms([s.generator for s in seqs], T)
+            walks = [walk(n, p, target_probs[i, :len(n) + 1], u[i, :len(n) + 1])
+                     for i, (n, p) in enumerate(zip(nodes, parents))]
+        outcomes = []
+        for i, (seq, (path, bonus)) in enumerate(zip(seqs, walks)):
+            start = starts[i]
+            self.cache.move(rows[i], [start + 1 + j for j in path], list(range(start + 1, start + 1 + len(path))))
+            seq.commit([nodes[i][j] for j in path] + [bonus])
+            outcomes.append(Outcome(len(path), bonus))
+            ran = [0] + [1 + j for j in path]
+            hidden[i, :len(ran)] = hidden[i, ran]
         return outcomes, hidden
 
     def _rows(self, seqs: list[Sequence]) -> list[int]:

@@ -45,6 +45,15 @@ class KVCache:
         values[rows[:, None], :, slots] = v
         return keys[read, :, :span], values[read, :, :span]
 
+    def move(self, row: int, sources: list[int], targets: list[int]) -> None:
+        """Copies a row's entries at slots `sources` to slots `targets` in every layer: a token
+        tree's accepted path, to where the text it joins continues."""
+        if sources == targets:
+            return
+        sources, targets = torch.tensor(sources), torch.tensor(targets)
+        for entries in (self.keys, self.values):
+            entries[:, row, :, targets] = entries[:, row, :, sources]
+
 
 def as_slice(rows: torch.Tensor | None) -> torch.Tensor | slice | None:
     """Consecutive rows as a slice: reading them is then a view, where indexing with a tensor

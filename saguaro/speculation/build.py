@@ -15,6 +15,7 @@ import torch
 
 from saguaro.config import SpeculativeConfig
 from saguaro.engine.round import Choice, Decoder, FixedPolicy
+from saguaro.engine.tree import TreeShape
 from saguaro.engine.verifier import Verifier
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
@@ -42,7 +43,8 @@ def draft_path(spec: SpeculativeConfig, model: str) -> Path | None:
 
 def sd_drafter(draft: LlamaModel, spec: SpeculativeConfig, prefix_cache_mb: float = 0.0) -> Drafter:
     """The draft model's drafter, behind prompt lookup when it is on."""
-    drafter = model_drafter(draft, spec.num_speculative_tokens, prefix_cache=new_prefix_cache(prefix_cache_mb))
+    drafter = model_drafter(draft, spec.num_speculative_tokens, prefix_cache=new_prefix_cache(prefix_cache_mb),
+                            tree=spec.tree)
     return PromptLookupDrafter(drafter.k, spec.prompt_lookup, drafter) if spec.prompt_lookup else drafter
 
 
@@ -96,8 +98,10 @@ def ar_decoder(target: LlamaModel, prefix_cache: PrefixCache | None = None) -> D
     return Decoder(Verifier(target, prefix_cache))
 
 
-def sd_decoder(target: LlamaModel, drafter: Drafter, prefix_cache: PrefixCache | None = None) -> Decoder:
-    return Decoder(Verifier(target, prefix_cache), FixedPolicy(Choice(DraftProposer(drafter), drafter.k, "sd")))
+def sd_decoder(target: LlamaModel, drafter: Drafter, prefix_cache: PrefixCache | None = None,
+               tree: TreeShape | None = None) -> Decoder:
+    """tree: the token trees the drafter grows (the one it was made with)."""
+    return Decoder(Verifier(target, prefix_cache), FixedPolicy(Choice(DraftProposer(drafter), drafter.k, "sd", tree)))
 
 
 def ssd_decoder(proposer: RemoteProposer, target: LlamaModel, prefix_cache: PrefixCache | None = None) -> Decoder:
@@ -167,11 +171,14 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
     if path is None:
         return ar_decoder(target, new_prefix_cache(prefix_cache_mb))
     check_pair(path, hub.resolve(model))
+    if spec.tree is not None and target.tensor_parallel is not None:
+        raise ValueError("token trees move KV entries that a tensor-parallel target's other ranks hold; "
+                         "use chains (tree_topk 1) with tensor_parallel_size > 1")
     if spec.method in ("sd", "auto"):
         drafter = sd_drafter(load_draft(path, target), spec, prefix_cache_mb)
         prefix_cache = None if drafter.reads_target_features else new_prefix_cache(prefix_cache_mb)
         if spec.method == "sd":
-            return sd_decoder(target, drafter, prefix_cache)
+            return sd_decoder(target, drafter, prefix_cache, spec.tree)
         ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path, prefix_cache_mb)
         profile = auto_profile_path(target, spec, model, path) if keep_profile else None
         return auto_decoder(target, drafter, ssd, prefix_cache, profile)

@@ -16,6 +16,7 @@ import torch
 from saguaro.engine.proposal import Proposal
 from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
+from saguaro.engine.tree import TreeShape
 from saguaro.engine.verify import point_masses
 from saguaro.models.kv_cache import CacheRows, KVCache, ensure_cache
 from saguaro.models.llama import LlamaModel
@@ -132,6 +133,75 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
     return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, torch.stack(hiddens, 1)
 
 
+def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]], starts: list[int],
+              temperatures: list[float], shape: TreeShape) -> tuple[list[list[int]], list[list[int]]]:
+    """Feeds each row's pending chunk, then grows a token tree below its last token, as EAGLE-2
+    does: a node's score is the draft's log-probability of its path from the root; at each
+    depth the draft runs the `topk` best-scored nodes of the last depth (one pass, each node
+    seeing the text and its ancestors) and scores their `topk` most likely children; the
+    `num_nodes` best of all are kept. A child scores no more than its parent, so a kept node's
+    parent is kept. Probabilities are the draft's at each row's temperature (1 when greedy).
+    No random draw is made: the tree is a function of the text (saguaro.engine.tree).
+    Returns each row's tokens (vocabulary ids) and parents, parents first."""
+    device = model.device
+    B, k = len(chunks), shape.topk
+    hidden = last_hidden(forward_chunks(model, cache, rows, chunks, starts), chunks)[:, None]
+    inverse_t = torch.tensor([1 / t if t > 0 else 1.0 for t in temperatures], device=device)[:, None, None]
+    ends = [s + len(c) for s, c in zip(starts, chunks)]  # the first slot after each row's text
+    rows_t = None if rows == list(range(B)) else torch.tensor(rows, device=device)
+    tokens, parents, scores = [], [], []  # per depth: [B, nodes of that depth]
+    frontier = torch.full((B, 1), -1, device=device)  # the nodes run last (pool indices; -1: the root)
+    frontier_scores = torch.zeros(B, 1, device=device)
+    lines = [{-1: []} for _ in range(B)]  # pool index -> slots of its ancestors and itself
+    pooled = 0
+    for depth in range(shape.depth):
+        log_probs = torch.log_softmax(model.head_logits(hidden) * inverse_t, -1)
+        best, head_rows = log_probs.topk(k, -1)  # [B, F, k]
+        scored = (frontier_scores[..., None] + best).flatten(1)
+        tokens.append(model.head_token(head_rows).flatten(1))
+        parents.append(frontier[..., None].expand(-1, -1, k).flatten(1))
+        scores.append(scored)
+        if depth == shape.depth - 1:
+            break
+        frontier_scores, chosen = scored.topk(k, -1)
+        frontier = pooled + chosen
+        pooled += scored.shape[1]
+        # run the chosen nodes: slots after the text, `k` per depth; positions by depth
+        all_parents = torch.cat(parents, 1)
+        slots = [[ends[i] + depth * k + j for j in range(k)] for i in range(B)]
+        span = max(ends) + (depth + 1) * k
+        mask = torch.arange(span)[None, None] < torch.tensor(ends)[:, None, None]
+        mask = mask.expand(B, k, span).clone()
+        for i, row in enumerate(frontier.tolist()):
+            for j, node in enumerate(row):
+                lines[i][node] = lines[i][int(all_parents[i, node])] + [slots[i][j]]
+                mask[i, j, lines[i][node]] = True
+        node_tokens = torch.cat(tokens, 1).gather(1, frontier)
+        positions = torch.tensor([[e + depth] * k for e in ends], device=device)
+        hidden = model(node_tokens, positions, cache, rows=rows_t, slots=torch.tensor(slots, device=device),
+                       mask=mask.to(device))
+    return pick_nodes(torch.cat(tokens, 1).tolist(), torch.cat(parents, 1).tolist(),
+                      torch.cat(scores, 1).tolist(), shape.num_nodes)
+
+
+def pick_nodes(tokens: list[list[int]], parents: list[list[int]], scores: list[list[float]],
+               num_nodes: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each row's num_nodes best-scored nodes whose parent is kept, in their first order, parents renumbered."""
+    kept_tokens, kept_parents = [], []
+    for row_tokens, row_parents, row_scores in zip(tokens, parents, scores):
+        kept: dict[int, int] = {-1: -1}  # pool index -> index in the tree
+        for node in sorted(range(len(row_tokens)), key=lambda j: (-row_scores[j], j)):
+            if row_parents[node] in kept:
+                kept[node] = 0
+                if len(kept) > num_nodes:
+                    break
+        order = sorted(n for n in kept if n >= 0)
+        kept.update((node, j) for j, node in enumerate(order))
+        kept_tokens.append([row_tokens[n] for n in order])
+        kept_parents.append([kept[row_parents[n]] for n in order])
+    return kept_tokens, kept_parents
+
+
 class DraftModelDrafter(Drafter):
     """A small language model drafting K tokens autoregressively, with a KV cache of its own.
 
@@ -141,9 +211,10 @@ class DraftModelDrafter(Drafter):
     draft's own, for prompts that start like earlier ones."""
 
     def __init__(self, model: LlamaModel, k: int, reshape: Reshape | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, tree: TreeShape | None = None):
         super().__init__(k)
         self.model = model
+        self.tree = tree  # grow token trees of this shape instead of chains (grow_tree)
         self.reshape = reshape
         self.prefix_cache = prefix_cache
         self.kv_cache: KVCache | None = None
@@ -185,9 +256,23 @@ class DraftModelDrafter(Drafter):
         return result
 
     def propose(self, seqs: list[Drafted]) -> Proposal:
+        if self.tree is not None:
+            return self.propose_tree(seqs)
         tokens, probs, _ = self.draft(seqs)
         return Proposal(tokens, None if probs is None else self.model.to_vocab(probs),
                         0 if self.caught_up_late else len(seqs))
+
+    def propose_tree(self, seqs: list[Drafted]) -> Proposal:
+        """A token tree per sequence; the draft keeps the KV entries of the committed text only
+        (its nodes' entries lie where the next round's text will go)."""
+        starts = [self.cached_len[s.seq_id] for s in seqs]
+        nodes, parents = grow_tree(self.model, self.kv_cache, self.rows[[s.seq_id for s in seqs]],
+                                   [s.token_ids[start:] for s, start in zip(seqs, starts)], starts,
+                                   [s.params.temperature for s in seqs], self.tree)
+        for seq in seqs:
+            self.cached_len[seq.seq_id] = len(seq.token_ids)
+        width = max(len(n) for n in nodes)
+        return Proposal(torch.tensor([n + [0] * (width - len(n)) for n in nodes]), None, parents=parents)
 
     def rollback(self, seq_ids: list[int], lengths: list[int]) -> None:
         for seq_id, length in zip(seq_ids, lengths):
@@ -231,11 +316,13 @@ class EagleDrafter(DraftModelDrafter):
 
 
 def model_drafter(model: LlamaModel, k: int, reshape: Reshape | None = None,
-                  prefix_cache: PrefixCache | None = None) -> DraftModelDrafter:
+                  prefix_cache: PrefixCache | None = None, tree: TreeShape | None = None) -> DraftModelDrafter:
     """The drafter for a loaded draft model (an EAGLE draft's without the prefix cache)."""
     if model.reads_features:
+        if tree is not None:
+            raise ValueError("an EAGLE-style draft drafts chains (token trees need a standalone draft model)")
         return EagleDrafter(model, k, reshape)
-    return DraftModelDrafter(model, k, reshape, prefix_cache)
+    return DraftModelDrafter(model, k, reshape, prefix_cache, tree)
 
 
 class NGramDrafter(Drafter):
@@ -269,6 +356,8 @@ class PromptLookupDrafter(Drafter):
         if not drafted:
             return Proposal(tokens, None, looked_up=sorted(looked))  # no model ran
         proposal = self.fallback.propose([seqs[i] for i in drafted])
+        if proposal.parents is not None:
+            return self.beside_trees(looked, drafted, proposal)
         tokens = tokens.to(proposal.tokens.device)
         tokens[drafted] = proposal.tokens
         probs = None
@@ -276,6 +365,16 @@ class PromptLookupDrafter(Drafter):
             probs = point_masses(tokens, proposal.probs.shape[-1]).to(proposal.probs.device)
             probs[drafted] = proposal.probs
         return Proposal(tokens, probs, proposal.steady_rows, sorted(looked))
+
+    def beside_trees(self, looked: dict[int, list[int]], drafted: list[int], trees: Proposal) -> Proposal:
+        """The looked-up speculations as chains (trees of one branch) beside the drafted trees."""
+        parents = {i: list(range(-1, self.k - 1)) for i in looked}
+        parents.update(zip(drafted, trees.parents))
+        drawn = dict(zip(drafted, trees.tokens.tolist()))
+        rows = [looked[i] if i in looked else drawn[i][:len(parents[i])] for i in range(len(parents))]
+        width = max(len(r) for r in rows)
+        return Proposal(torch.tensor([r + [0] * (width - len(r)) for r in rows]), None, trees.steady_rows,
+                        sorted(looked), parents=[parents[i] for i in range(len(parents))])
 
     def set_num_tokens(self, k: int) -> None:
         self.k = k
