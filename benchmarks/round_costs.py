@@ -7,8 +7,12 @@ commits (acceptance and prompt lookup as measured) over the round's verification
 against AR's time per token. No draft of this acceptance beats it on this machine, however
 cheap; only a draft that is accepted more often does.
 
+With --trees, SD also grows token trees (saguaro.engine.tree) of depth --tree-depth: TOPKxNODES,
+comma-separated (4x10: the 4 best nodes expanded at each depth, 10 verified). --verbose also
+gives the target pass's median time per token count (a tree's verification cost per node count).
+
     python benchmarks/round_costs.py [--dataset humaneval|sharegpt] [--temperature 0.7] \
-        [--ks 1,2,3,5] [--prompts 4] [--max-tokens 128] [--verbose]
+        [--ks 1,2,3,5] [--trees 4x10,4x16] [--tree-depth 5] [--prompts 4] [--max-tokens 128] [--verbose]
 """
 from __future__ import annotations
 
@@ -62,14 +66,25 @@ def main() -> None:
     parser.add_argument("--ks", default="1,2,3,5", help="SD's K values, comma-separated")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--trees", default="", help="token trees TOPKxNODES, comma-separated")
+    parser.add_argument("--tree-depth", type=int, default=5)
+    parser.add_argument("--prompt-lookup", type=int, default=2, help="SD's prompt lookup N (0: off)")
     parser.add_argument("--verbose", action="store_true", help="also each part's median ms per call")
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-    ks = [0] + [int(k) for k in args.ks.split(",")]
+    options = {"AR": dict(method="ar")}
+    options.update({f"SD, K = {k}": dict(method="sd", num_speculative_tokens=int(k), prompt_lookup=args.prompt_lookup)
+                    for k in args.ks.split(",") if k})
+    for tree in filter(None, args.trees.split(",")):
+        topk, nodes = (int(n) for n in tree.split("x"))
+        options[f"SD tree, depth {args.tree_depth}, top {topk}, {nodes} nodes"] = dict(
+            method="sd", num_speculative_tokens=args.tree_depth, tree_topk=topk, num_draft_tokens=nodes,
+            prompt_lookup=args.prompt_lookup)
+    ks = list(options)
     timers = Timers()
     timers.attach_passes()
-    engines = {k: LLM(method="sd" if k else "ar", num_speculative_tokens=max(k, 1)) for k in ks}
-    prompts = bench_prompts(engines[0], args.dataset, BenchConfig(num_prompts=args.prompts + 1))
+    engines = {k: LLM(**options[k]) for k in ks}
+    prompts = bench_prompts(engines["AR"], args.dataset, BenchConfig(num_prompts=args.prompts + 1))
     for llm in engines.values():  # a warm-up prompt each, not counted
         timers.attach(llm)
         llm.generate([prompts[0]], params, use_tqdm=False)
@@ -84,19 +99,19 @@ def main() -> None:
     rows, ar_ms = [], None
     for k in ks:
         if args.verbose:
-            print(f"\n{f'SD, K = {k}' if k else 'AR'}: median ms per call (calls)")
+            print(f"\n{k}: median ms per call (calls)")
             for name, values in sorted(times[k].items()):
                 if len(values) >= 8:
                     print(f"  {name:28s} {statistics.median(values) * 1e3:7.2f}  ({len(values)})")
         rounds = len(times[k]["round"])
         ms = lambda name: sum(times[k][name]) * 1e3 / rounds  # noqa: E731  mean ms per round
         per_token = sum(times[k]["round"]) * 1e3 / tokens
-        if not k:
+        if k == "AR":
             ar_ms = per_token
             rows.append(f"| AR | 1.00 | {ms('round'):.2f} | {ms('round'):.2f} | - | {per_token:.2f} | 1.00 | - |")
             continue
         per_round = tokens / rounds
-        rows.append(f"| SD, K = {k} | {per_round:.2f} | {ms('round'):.2f} | {ms('verify and commit'):.2f} | "
+        rows.append(f"| {k} | {per_round:.2f} | {ms('round'):.2f} | {ms('verify and commit'):.2f} | "
                     f"{ms('draft'):.2f} | {per_token:.2f} | {ar_ms / per_token:.2f} | "
                     f"{per_round * ar_ms / ms('verify and commit'):.2f} |")
     print(f"\n{args.dataset}, T = {args.temperature}, {args.prompts} prompts x {args.max_tokens} tokens, batch 1; "

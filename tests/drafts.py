@@ -18,9 +18,11 @@ from saguaro.speculation.remote.proposer import RemoteProposer
 from saguaro.speculation.worker.server import DraftServer
 
 
-def sd_decoder(target: LlamaModel, draft: LlamaModel, k: int, prompt_lookup: int | None = None) -> Decoder:
-    return build.sd_decoder(target, build.sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k,
-                                                                               prompt_lookup=prompt_lookup)))
+def sd_decoder(target: LlamaModel, draft: LlamaModel, k: int, prompt_lookup: int | None = None,
+               **options) -> Decoder:
+    """options: SpeculativeConfig's (a token tree's tree_topk, num_draft_tokens)."""
+    spec = SpeculativeConfig("sd", num_speculative_tokens=k, prompt_lookup=prompt_lookup, **options)
+    return build.sd_decoder(target, build.sd_drafter(draft, spec), tree=spec.tree)
 
 
 def worker_config(draft: str, dtype: str, k: int, fan_out: list[int], saguaro_c: float = 1.0, *,

@@ -1,0 +1,197 @@
+"""Token trees (saguaro.engine.tree): SD verifying the draft's runner-up tokens too stays exact.
+
+Greedy SD with trees commits AR's tokens on real prompts; sampled, every committed token is
+distributed as the target's (the pooled PIT test of tests/stats.py) at T = 0.7 and 1.0 with
+top-k / top-p, with the bonus after a full path included. The negative controls break the two
+things a tree adds: a sibling tried against the residual before the rejected one was removed,
+and a mask that lets a node see a sibling's KV entry.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import saguaro.engine.runner as runner
+import saguaro.engine.verifier as verification
+from conftest import NEW_TOKENS
+from drafts import sd_decoder
+from saguaro import LLM, SamplingParams
+from saguaro.engine.tree import TreeShape, children, depths, tree_mask, walk, walk_greedy
+from saguaro.models import hub
+from saguaro.models.llama import LlamaModel
+from saguaro.speculation.local.drafters import pick_nodes
+from stats import ks_pvalue, randomized_pit, teacher_forced_pit
+from test_exactness import ALPHA, NEW, TINY_K, sampled, tiny_model, tiny_outputs, tiny_prompts
+
+SHAPE = dict(tree_topk=3, num_draft_tokens=6)  # depth TINY_K = 2: 3 children of the root, 9 below, 6 kept
+
+
+def walk_without_removal(tokens, parents, target_probs, u):
+    """Broken: each sibling is tried against the target's distribution itself, not against the
+    residual left once the siblings before it were rejected."""
+    kids = children(parents)
+    path, at = [], -1
+    while True:
+        p = target_probs[at + 1]
+        step = next((c for c in kids[at + 1] if float(u[c]) < float(p[tokens[c]])), None)
+        if step is None:
+            residual = p.clone()
+            residual[[tokens[c] for c in kids[at + 1]]] = 0
+            return path, int(torch.multinomial(residual / residual.sum(), 1, generator=GENERATOR))
+        path.append(step)
+        at = step
+
+
+GENERATOR = torch.Generator().manual_seed(9)
+
+
+def mask_seeing_siblings(parents, starts, width, span):
+    """Broken: every node sees every node before it in the pass (a causal mask), its elder
+    siblings' and cousins' KV entries included."""
+    mask = tree_mask(parents, starts, width, span)
+    for i, start in enumerate(starts):
+        n = len(parents[i])
+        mask[i, :n, start:start + n] |= torch.ones(n, n, dtype=torch.bool).tril()
+    return mask
+
+
+# --- the tree's pieces --------------------------------------------------------------------------
+
+def test_tree_layout():
+    parents = [-1, -1, 0, 0, 2, 1]
+    assert depths(parents) == [0, 0, 1, 1, 2, 1]
+    assert children(parents) == [[0, 1], [2, 3], [5], [4], [], [], []]
+    mask = tree_mask([parents], [3], 8, 10)[0]
+    assert mask[4, :3].all() and mask[4].nonzero()[:, 0].tolist() == [0, 1, 2, 3, 5, 7]  # text, 0, 2, 4
+    assert mask[6].all()  # padding sees everything
+    with pytest.raises(ValueError, match="cannot be verified"):
+        TreeShape(depth=2, topk=2, num_nodes=7)
+
+
+def test_pick_nodes_keeps_parents_and_the_best_scores():
+    tokens = [[10, 11, 12, 13]]
+    parents = [[-1, -1, 0, 1]]
+    scores = [[-0.1, -2.0, -0.5, -2.1]]
+    assert pick_nodes(tokens, parents, scores, 3) == ([[10, 11, 12]], [[-1, -1, 0]])
+    # a child scored above its parent (never so in grow_tree) waits for its parent
+    assert pick_nodes(tokens, parents, [[-0.1, -0.5, -0.6, -0.2]], 2) == ([[10, 11]], [[-1, -1]])
+
+
+def test_greedy_walk_follows_the_argmax():
+    tokens, parents = [5, 6, 7, 8], [-1, -1, 1, 1]
+    assert walk_greedy(tokens, parents, [6, 0, 8, 0, 3]) == ([1, 3], 3)
+    assert walk_greedy(tokens, parents, [4, 0, 8, 0, 3]) == ([], 4)
+
+
+def first_tokens(walk_rule, rows: int, vocab: int = 6, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first committed token of `rows` walks over a root with three children (its likely
+    tokens), the target's root distribution random per row: (distributions [rows, V], tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    probs = (2 * torch.randn(rows, vocab, generator=g)).softmax(-1)
+    firsts = []
+    for p in probs:
+        kids = p.argsort(descending=True)[[0, 2, 1]].tolist()  # tried out of order
+        path, bonus = walk_rule(kids, [-1, -1, -1], torch.stack([p, p, p, p]), torch.rand(4, generator=g))
+        firsts.append(kids[path[0]] if path else bonus)
+    return probs, torch.tensor(firsts)
+
+
+@pytest.mark.parametrize("walk_rule, exact", [(walk, True), (walk_without_removal, False)])
+def test_walk_commits_the_target_distribution(walk_rule, exact):
+    probs, tokens = first_tokens(walk_rule, 20_000)
+    pvalue = ks_pvalue(randomized_pit(probs, tokens, torch.rand(len(tokens), generator=torch.Generator().manual_seed(4))))
+    assert (pvalue > ALPHA) == exact, pvalue
+
+
+# --- SD with trees, tiny models ---------------------------------------------------------------
+
+def peaked_model() -> LlamaModel:
+    """A tiny model whose attention is peaked, as a trained model's is, rather than near uniform
+    (its query, key and value weights 4 times the random ones): which KV entries a node sees
+    then moves its distribution."""
+    model = tiny_model(seed=10, layers=2)
+    for layer in model.layers:
+        layer.self_attn.qkv_proj.weight.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return peaked_model()
+
+
+@pytest.fixture(scope="module")
+def draft():
+    """The target with noise on its head: its top choices are often but not always the target's,
+    so first children, runners-up and bonus tokens are all committed often."""
+    model = peaked_model()
+    model.lm_head.weight.add_(0.5 * torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(1)))
+    return model
+
+
+def tree_outputs(target, draft, params, prompt_lookup=None, **shape) -> list[list[int]]:
+    return tiny_outputs(sd_decoder(target, draft, TINY_K, prompt_lookup, **(shape or SHAPE)), params)
+
+
+def tree_pvalue(target, draft, params, prompt_lookup=None) -> float:
+    outputs = tree_outputs(target, draft, params, prompt_lookup)
+    return ks_pvalue(teacher_forced_pit(target, tiny_prompts(len(params)), outputs, params))
+
+
+@pytest.mark.parametrize("prompt_lookup", [None, 1])
+def test_tiny_greedy_trees_equal_ar(target, draft, prompt_lookup):
+    params = sampled(0.0, rows=40)
+    ar = tiny_outputs(sd_decoder(target, draft, TINY_K, tree_topk=1), params)
+    assert tree_outputs(target, draft, params, prompt_lookup) == ar
+
+
+def test_tiny_greedy_trees_check_catches_a_mask_seeing_siblings(target, draft, monkeypatch):
+    params = sampled(0.0, rows=40)
+    ar = tiny_outputs(sd_decoder(target, draft, TINY_K, tree_topk=1), params)
+    monkeypatch.setattr(runner, "tree_mask", mask_seeing_siblings)
+    assert tree_outputs(target, draft, params) != ar
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sd_with_trees_is_exact(target, draft, temperature):
+    assert tree_pvalue(target, draft, sampled(temperature)) > ALPHA
+
+
+def test_sd_with_trees_is_exact_with_top_k_top_p_and_prompt_lookup(target, draft):
+    params = sampled(0.8, top_k=5)[::2] + sampled(1.0, top_p=0.8)[1::2]
+    assert tree_pvalue(target, draft, params, prompt_lookup=1) > ALPHA
+
+
+def test_sd_with_trees_check_catches_siblings_tried_against_the_unupdated_residual(target, draft, monkeypatch):
+    monkeypatch.setattr(verification, "walk", walk_without_removal)
+    assert tree_pvalue(target, draft, sampled(1.0)) < ALPHA
+
+
+def test_sd_with_trees_check_catches_a_mask_seeing_siblings(target, draft, monkeypatch):
+    monkeypatch.setattr(runner, "tree_mask", mask_seeing_siblings)
+    assert tree_pvalue(target, draft, sampled(1.0)) < ALPHA
+
+
+def test_trees_reach_the_bonus_after_a_full_path(target):
+    """The target as its own draft: most rounds accept a whole path and end in its bonus."""
+    params = sampled(1.0, rows=4_000)
+    outputs = tree_outputs(target, peaked_model(), params)
+    assert ks_pvalue(teacher_forced_pit(target, tiny_prompts(len(params)), outputs, params)) > ALPHA
+
+
+# --- SD with trees, the default model and its shipped draft -----------------------------------
+
+@pytest.mark.parametrize("batch, count", [(1, 4), (4, 8)])
+def test_sd_with_trees_greedy_equals_ar(prompts, ar_greedy, batch, count):
+    llm = LLM(hub.DEFAULT_MODEL, method="sd", dtype="float32", num_speculative_tokens=4, tree_topk=3,
+              num_draft_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    outputs = []
+    for i in range(0, count, batch):
+        outputs += llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+    mismatches = [i for i, out in enumerate(outputs) if out.token_ids != ar_greedy[i]]
+    assert not mismatches, f"SD with trees differs from AR on prompts {mismatches}"
+    metrics = llm.metrics()
+    assert metrics["spec_decode_num_draft_tokens"] > 4 * metrics["spec_decode_num_drafts"]  # more than chains
+    per_depth = metrics["spec_decode_num_accepted_tokens_per_pos"]
+    assert per_depth[0] > per_depth[3] > 0  # paths of every depth, the shallow ones more often
