@@ -112,12 +112,6 @@ class SpeculativeConfig:
                                       "shipped draft)")
     num_speculative_tokens: int = _option(5, "draft tokens per round (K; auto: the most); a token tree's depth",
                                          "-k", "--num-speculative-tokens", "--speculative-num-steps")
-    tree_topk: int = _option(1, "grow token trees: expand the N most likely nodes at each of the K depths into "
-                                "their N most likely children (SGLang's speculative_eagle_topk); 1: chains",
-                             "--tree-topk", "--speculative-eagle-topk", metavar="N")
-    num_draft_tokens: int | None = _option(None, "the nodes of a token tree the target verifies (SGLang's "
-                                                 "speculative_num_draft_tokens)", "--num-draft-tokens",
-                                           "--speculative-num-draft-tokens", described="2K", metavar="N")
     prompt_lookup: int | None = _option(2, "where the last N tokens occurred earlier in the text, speculate "
                                            "what followed them instead of drafting; 0 turns it off", metavar="N")
     fan_out: str | list[int] = _option("geometric", "geometric, uniform, or K+1 comma-separated counts of cached "
@@ -146,6 +140,12 @@ class SpeculativeConfig:
                                               "(required there; prefer the environment variable, which other "
                                               "users cannot read with ps); a local worker gets a random one",
                                        group="ssd", described="$SAGUARO_DRAFT_SECRET", shown=False)
+    tree_topk: int = _option(1, "grow token trees: expand the N most likely nodes at each of the K depths into "
+                                "their N most likely children (SGLang's speculative_eagle_topk); 1: chains",
+                             "--tree-topk", "--speculative-eagle-topk", metavar="N")
+    num_draft_tokens: int | None = _option(None, "the nodes of a token tree the target verifies (SGLang's "
+                                                 "speculative_num_draft_tokens)", "--num-draft-tokens",
+                                           "--speculative-num-draft-tokens", described="2K", metavar="N")
 
     def __post_init__(self):
         if self.method not in METHODS:
