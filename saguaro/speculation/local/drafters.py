@@ -172,10 +172,12 @@ def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[l
         span = max(ends) + (depth + 1) * k
         mask = torch.arange(span)[None, None] < torch.tensor(ends)[:, None, None]
         mask = mask.expand(B, k, span).clone()
-        for i, row in enumerate(frontier.tolist()):
+        seen = []  # (row, node, slot) for each earlier node slot a node sees, its own included
+        for i, (row, row_parents) in enumerate(zip(frontier.tolist(), all_parents.tolist())):
             for j, node in enumerate(row):
-                lines[i][node] = lines[i][int(all_parents[i, node])] + [slots[i][j]]
-                mask[i, j, lines[i][node]] = True
+                lines[i][node] = lines[i][row_parents[node]] + [slots[i][j]]
+                seen += [(i, j, slot) for slot in lines[i][node]]
+        mask[tuple(torch.tensor(seen).T)] = True
         node_tokens = torch.cat(tokens, 1).gather(1, frontier)
         positions = torch.tensor([[e + depth] * k for e in ends], device=device)
         hidden = model(node_tokens, positions, cache, rows=rows_t, slots=torch.tensor(slots, device=device),
