@@ -62,12 +62,12 @@ def _speculation(lines: list[str], engine: dict) -> None:
     drafts, accepted = engine["spec_decode_num_drafts"], engine["spec_decode_num_accepted_tokens"]
     _metric(lines, "spec_decode_num_drafts_total", "counter", "Request rounds that verified a proposal (SD, SSD).",
             [("", drafts)])
-    _metric(lines, "spec_decode_num_draft_tokens_total", "counter", "Tokens proposed.",
+    _metric(lines, "spec_decode_num_draft_tokens_total", "counter", "Tokens proposed (a token tree's: its nodes, all scored).",
             [("", engine["spec_decode_num_draft_tokens"])])
     _metric(lines, "spec_decode_num_accepted_tokens_total", "counter", "Proposed tokens the target accepted.",
             [("", accepted)])
     _metric(lines, "spec_decode_num_accepted_tokens_per_pos_total", "counter",
-            "Proposed tokens accepted, by their position in the proposal (0: the first).",
+            "Proposed tokens accepted, by their position in the proposal (0: the first; a tree's: depth - 1).",
             [(f'{{position="{i}"}}', n) for i, n in enumerate(engine["spec_decode_num_accepted_tokens_per_pos"])])
     _metric(lines, "acceptance_length", "summary", "Tokens committed per request per round (SD, SSD).",
             [("_sum", accepted + drafts), ("_count", drafts)])
