@@ -141,7 +141,8 @@ class SpeculativeConfig:
                                               "users cannot read with ps); a local worker gets a random one",
                                        group="ssd", described="$SAGUARO_DRAFT_SECRET", shown=False)
     tree_topk: int = _option(1, "grow token trees: expand the N most likely nodes at each of the K depths into "
-                                "their N most likely children (SGLang's speculative_eagle_topk); 1: chains",
+                                "their N most likely children (SGLang's speculative_eagle_topk); 1: chains. auto weighs "
+                                "two trees of its own beside chains, or this one where N > 1",
                              "--tree-topk", "--speculative-eagle-topk", metavar="N")
     num_draft_tokens: int | None = _option(None, "the nodes of a token tree the target verifies (SGLang's "
                                                  "speculative_num_draft_tokens)", "--num-draft-tokens",
@@ -157,8 +158,8 @@ class SpeculativeConfig:
         if self.tree_topk == 1 and self.num_draft_tokens not in (None, self.num_speculative_tokens):
             raise ValueError("num_draft_tokens sizes a token tree: set tree_topk > 1 (a chain verifies "
                              "num_speculative_tokens)")
-        if self.tree is not None and self.method in ("ssd", "auto"):
-            raise ValueError(f"token trees run with method 'sd'; {self.method!r} does not grow them yet")
+        if self.tree is not None and self.method == "ssd":
+            raise ValueError("SSD's workers speculate chains; token trees run with method 'sd' or 'auto'")
         if self.backup not in BACKUPS:
             raise ValueError(f"backup must be one of {', '.join(BACKUPS)}")
         self.backup = Backup(self.backup)

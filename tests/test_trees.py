@@ -8,6 +8,8 @@ and a mask that lets a node see a sibling's KV entry.
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -16,9 +18,12 @@ import saguaro.engine.verifier as verification
 from conftest import NEW_TOKENS
 from drafts import sd_decoder
 from saguaro import LLM, SamplingParams
+from saguaro.config import SpeculativeConfig
 from saguaro.engine.tree import TreeShape, children, depths, tree_mask, walk, walk_greedy
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
+from saguaro.speculation import build
+from saguaro.speculation.policy.auto import Controller
 from saguaro.speculation.local.drafters import pick_nodes
 from stats import ks_pvalue, randomized_pit, teacher_forced_pit
 from test_exactness import ALPHA, NEW, TINY_K, sampled, tiny_model, tiny_outputs, tiny_prompts
@@ -195,3 +200,67 @@ def test_sd_with_trees_greedy_equals_ar(prompts, ar_greedy, batch, count):
     assert metrics["spec_decode_num_draft_tokens"] > 4 * metrics["spec_decode_num_drafts"]  # more than chains
     per_depth = metrics["spec_decode_num_accepted_tokens_per_pos"]
     assert per_depth[0] > per_depth[3] > 0  # paths of every depth, the shallow ones more often
+
+
+# --- auto: trees beside chains ------------------------------------------------------------------
+
+TREE = TreeShape(TINY_K, 3, 6)
+
+
+def switching_decoder(target, draft, schedule):
+    """auto with the tiny draft and TREE, its choices following `schedule` round after round."""
+    spec = SpeculativeConfig("auto", num_speculative_tokens=TINY_K, prompt_lookup=0)
+    decoder = build.auto_decoder(target, build.sd_drafter(draft, spec), trees=[TREE])
+    choices = itertools.cycle(schedule)
+    controller = decoder.policy.controller
+    controller.choose = lambda batch, can_try=True: controller._pick(next(choices))
+    return decoder
+
+
+def switching_pvalue(target, draft, params) -> float:
+    outputs = tiny_outputs(switching_decoder(target, draft, [TREE, TINY_K, TREE, 0, TREE, 1]), params)
+    return ks_pvalue(teacher_forced_pit(target, tiny_prompts(len(params)), outputs, params))
+
+
+def test_auto_switching_between_chains_and_trees_is_exact(target, draft):
+    params = sampled(0.0, rows=40)
+    greedy = tiny_outputs(switching_decoder(target, draft, [TREE, 1, TREE, 0]), params)
+    assert greedy == tiny_outputs(sd_decoder(target, draft, TINY_K, tree_topk=1), params)
+    assert switching_pvalue(target, draft, sampled(1.0)) > ALPHA
+
+
+def test_auto_switching_check_catches_siblings_tried_against_the_unupdated_residual(target, draft, monkeypatch):
+    monkeypatch.setattr(verification, "walk", walk_without_removal)
+    assert switching_pvalue(target, draft, sampled(1.0)) < ALPHA
+
+
+def tree_rounds(controller: Controller, target_s, step_s: float, tree_tokens: float) -> None:
+    """Rounds at batch 1 as they would run: AR, every K (accepting 60% of the drafts) and the
+    tree (committing tree_tokens a round), twice each (the first is a warm-up)."""
+    for k in [k for k in range(controller.max_k + 1) for _ in range(2)]:
+        controller.record(1, k, target_s(k + 1), k * step_s, [int(0.6 * k)], int(0.6 * k) + 1)
+    tree = controller.trees[0]
+    for _ in range(2):
+        controller.record_tree(1, tree, target_s(tree.num_nodes + 1), tree.depth * step_s * 1.3, tree_tokens)
+
+
+def test_auto_chooses_a_tree_where_its_rows_cost_little_and_a_chain_where_they_cost_much():
+    tree = TreeShape(4, 3, 12)
+    flat = lambda rows: 0.030 + 0.0002 * rows  # noqa: E731  a GPU-like pass: rows cost little
+    steep = lambda rows: 0.004 * rows  # noqa: E731  a CPU core's: every row costs
+    on_gpu = Controller(max_k=4, trees=[tree])
+    tree_rounds(on_gpu, flat, 0.002, 4.0)
+    assert on_gpu.choose(1) == tree
+    on_cpu = Controller(max_k=4, trees=[tree])
+    tree_rounds(on_cpu, steep, 0.002, 4.0)
+    assert on_cpu.choose(1) != tree
+    assert str(tree) in on_gpu.summary()["auto_rounds_by_k"]
+
+
+def test_auto_tries_a_tree_before_it_ran_from_the_chains_acceptance():
+    tree = TreeShape(4, 2, 4)
+    controller = Controller(max_k=4, trees=[tree])
+    for k in [k for k in range(5) for _ in range(2)]:
+        controller.record(1, k, 0.030, k * 0.001, [k], k + 1)  # every draft accepted, rows free
+    assert controller.rate(1, tree) > controller.rate(1, 3)  # TREE_GAIN times the chain's tokens
+    assert controller.choose(1) == tree  # untried and predicted best: tried

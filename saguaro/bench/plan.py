@@ -18,7 +18,7 @@ from saguaro.speculation.policy.auto import AutoPolicy, Option
 @dataclass
 class PlanRow:
     batch: int
-    choice: Option  # draft tokens per round (0: no speculation), or "ssd"
+    choice: Option  # draft tokens per round (0: no speculation), a token tree, or "ssd"
     predicted_tok_s: float | None  # forecast from the other batch sizes' measurements
     measured_tok_s: float
     chosen: bool
@@ -29,24 +29,19 @@ def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, choice: 
     prefill and an SSD stint's first round left out), with its choice fixed."""
     controller = llm.decoder.policy.controller
     committed, seconds = 0, 0.0
-    record, record_ssd = controller.record, controller.record_ssd
+    measure_round = controller._measure
 
-    def counting(batch, k, target_s, draft_s, accepted_lens, tokens, *rest):
+    def counting(batch, choice, tokens, round_s):
         nonlocal committed, seconds
-        committed, seconds = committed + tokens, seconds + target_s + draft_s + (rest[0] if rest else 0.0)
-        record(batch, k, target_s, draft_s, accepted_lens, tokens, *rest)
-
-    def counting_ssd(batch, verify_s, wait_s, hits, tokens):
-        nonlocal committed, seconds
-        committed, seconds = committed + sum(tokens), seconds + verify_s + wait_s
-        record_ssd(batch, verify_s, wait_s, hits, tokens)
+        committed, seconds = committed + tokens, seconds + round_s
+        measure_round(batch, choice, tokens, round_s)
 
     controller.choose = lambda batch, can_try=True: controller._pick(choice)
-    controller.record, controller.record_ssd = counting, counting_ssd
+    controller._measure = counting
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        del controller.choose, controller.record, controller.record_ssd
+        del controller.choose, controller._measure
     return committed / seconds if seconds else 0.0
 
 
@@ -73,7 +68,8 @@ def markdown(rows: list[PlanRow]) -> str:
     for r in rows:
         predicted = "–" if r.predicted_tok_s is None else f"{r.predicted_tok_s:.1f}"
         lines.append(f"| {r.batch} | {r.choice} | {predicted} | {r.measured_tok_s:.1f} | {'yes' if r.chosen else ''} |")
-    return "\n".join(lines) + "\n\nchoice: SD's draft tokens per round on all cores (0: no speculation), or SSD " \
+    return "\n".join(lines) + "\n\nchoice: SD's draft tokens per round on all cores (0: no speculation), SD with token " \
+                              "trees (tree DEPTHxTOPKxNODES), or SSD " \
                               "(its target on the cores its worker leaves); predicted: from the other batch sizes' " \
                               "measurements, before this size ran; measured: committed tokens per second of decoding " \
                               "rounds.\n"

@@ -26,9 +26,10 @@ class Proposer(Protocol):
     def reserve(self, num_rows: int, num_slots: int) -> None:
         """Makes room for num_rows sequences of up to num_slots tokens each."""
 
-    def propose(self, seqs: list[Sequence], k: int) -> Proposal | None:
-        """k tokens for each sequence (a sequence it has not seen is taken up first); None when
-        it cannot propose this round (its worker is lost): the round then runs without."""
+    def propose(self, seqs: list[Sequence], k: int, tree: TreeShape | None = None) -> Proposal | None:
+        """k tokens for each sequence, or a token tree of depth k and this shape (a sequence it
+        has not seen is taken up first); None when it cannot propose this round (its worker is
+        lost): the round then runs without."""
 
     def observe(self, record: RoundRecord) -> None:
         """The outcome of the round that verified its proposal."""
@@ -225,7 +226,7 @@ class Decoder:
             self.reserved.append(proposer)
         lengths_before = [len(s) for s in seqs]
         started = time.perf_counter()
-        proposal = proposer.propose(seqs, choice.k) if proposer is not None else None
+        proposal = proposer.propose(seqs, choice.k, choice.tree) if proposer is not None else None
         proposed = time.perf_counter()
         if proposal is None:
             outcomes, hidden = self.verifier.decode(seqs)

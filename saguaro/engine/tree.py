@@ -43,6 +43,9 @@ class TreeShape:
             raise ValueError(f"a tree of depth {self.depth} and topk {self.topk} grows {self.grown} nodes; "
                              f"{self.num_nodes} cannot be verified")
 
+    def __str__(self) -> str:
+        return f"tree {self.depth}x{self.topk}x{self.num_nodes}"  # depth x top-k x nodes
+
     @property
     def grown(self) -> int:
         """Nodes the draft scores: topk children of the root, topk^2 at each further depth."""

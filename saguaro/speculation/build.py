@@ -23,7 +23,7 @@ from saguaro.models.loader import IncompatibleDraftError, check_pair, load_draft
 from saguaro.models.prefix_cache import PrefixCache, new_prefix_cache
 from saguaro.speculation.local.drafters import Drafter, PromptLookupDrafter, model_drafter
 from saguaro.speculation.local.proposer import DraftProposer
-from saguaro.speculation.policy.auto import AutoPolicy, SSDLauncher
+from saguaro.speculation.policy.auto import AutoPolicy, SSDLauncher, auto_trees
 from saguaro.speculation.policy.planning import GeometricPlan, geometric_fan_out, uniform_fan_out
 from saguaro.speculation.protocol import DraftSpec
 from saguaro.speculation.remote.client import DraftClient, WorkerConfig
@@ -109,8 +109,10 @@ def ssd_decoder(proposer: RemoteProposer, target: LlamaModel, prefix_cache: Pref
 
 
 def auto_decoder(target: LlamaModel, drafter: Drafter, ssd: SSDLauncher | None = None,
-                 prefix_cache: PrefixCache | None = None, profile: Path | None = None) -> Decoder:
-    return Decoder(Verifier(target, prefix_cache), AutoPolicy(DraftProposer(drafter), ssd, profile))
+                 prefix_cache: PrefixCache | None = None, profile: Path | None = None,
+                 trees: list[TreeShape] = ()) -> Decoder:
+    """trees: the token trees auto may choose besides chains."""
+    return Decoder(Verifier(target, prefix_cache), AutoPolicy(DraftProposer(drafter), ssd, profile, trees))
 
 
 def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
@@ -181,7 +183,8 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
             return sd_decoder(target, drafter, prefix_cache, spec.tree)
         ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path, prefix_cache_mb)
         profile = auto_profile_path(target, spec, model, path) if keep_profile else None
-        return auto_decoder(target, drafter, ssd, prefix_cache, profile)
+        trees = [] if drafter.reads_target_features else [spec.tree] if spec.tree else auto_trees(spec.num_speculative_tokens)
+        return auto_decoder(target, drafter, ssd, prefix_cache, profile, trees)
     cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device,
                                                                               spec.num_draft_workers)
     try:

@@ -38,12 +38,16 @@ class Drafted(Protocol):
 class Drafter(ABC):
     reads_target_features = False  # wants the target's hidden states (keep_target_hidden)
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, tree: TreeShape | None = None):
         self.k = k
+        self.tree = tree  # grow token trees of this shape (depth k) instead of chains
 
-    def set_num_tokens(self, k: int) -> None:
-        """Proposes k tokens from the next round on (method="auto" changes it between rounds)."""
-        self.k = k
+    def set_num_tokens(self, k: int, tree: TreeShape | None = None) -> None:
+        """Proposes k tokens, or trees of depth k, from the next round on (method="auto"
+        changes them between rounds)."""
+        if tree is not None and self.reads_target_features:
+            raise ValueError("an EAGLE-style draft drafts chains (token trees need a standalone draft model)")
+        self.k, self.tree = k, tree
 
     def reserve(self, num_rows: int, num_slots: int) -> None:
         """Makes room for num_rows sequences of up to num_slots tokens each."""
@@ -214,9 +218,8 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, model: LlamaModel, k: int, reshape: Reshape | None = None,
                  prefix_cache: PrefixCache | None = None, tree: TreeShape | None = None):
-        super().__init__(k)
+        super().__init__(k, tree)
         self.model = model
-        self.tree = tree  # grow token trees of this shape instead of chains (grow_tree)
         self.reshape = reshape
         self.prefix_cache = prefix_cache
         self.kv_cache: KVCache | None = None
@@ -268,13 +271,15 @@ class DraftModelDrafter(Drafter):
         """A token tree per sequence; the draft keeps the KV entries of the committed text only
         (its nodes' entries lie where the next round's text will go)."""
         starts = [self.cached_len[s.seq_id] for s in seqs]
+        self.caught_up_late = max(len(s.token_ids) - start for s, start in zip(seqs, starts)) > self.k + 1
         nodes, parents = grow_tree(self.model, self.kv_cache, self.rows[[s.seq_id for s in seqs]],
                                    [s.token_ids[start:] for s, start in zip(seqs, starts)], starts,
                                    [s.params.temperature for s in seqs], self.tree)
         for seq in seqs:
             self.cached_len[seq.seq_id] = len(seq.token_ids)
         width = max(len(n) for n in nodes)
-        return Proposal(torch.tensor([n + [0] * (width - len(n)) for n in nodes]), None, parents=parents)
+        return Proposal(torch.tensor([n + [0] * (width - len(n)) for n in nodes]), None,
+                        0 if self.caught_up_late else len(seqs), parents=parents)
 
     def rollback(self, seq_ids: list[int], lengths: list[int]) -> None:
         for seq_id, length in zip(seq_ids, lengths):
@@ -321,9 +326,9 @@ def model_drafter(model: LlamaModel, k: int, reshape: Reshape | None = None,
                   prefix_cache: PrefixCache | None = None, tree: TreeShape | None = None) -> DraftModelDrafter:
     """The drafter for a loaded draft model (an EAGLE draft's without the prefix cache)."""
     if model.reads_features:
-        if tree is not None:
-            raise ValueError("an EAGLE-style draft drafts chains (token trees need a standalone draft model)")
-        return EagleDrafter(model, k, reshape)
+        drafter = EagleDrafter(model, k, reshape)
+        drafter.set_num_tokens(k, tree)  # refuses a tree
+        return drafter
     return DraftModelDrafter(model, k, reshape, prefix_cache, tree)
 
 
@@ -341,7 +346,7 @@ class PromptLookupDrafter(Drafter):
     The other sequences go to `fallback`."""
 
     def __init__(self, k: int, min_match: int, fallback: Drafter):
-        super().__init__(k)
+        super().__init__(k, fallback.tree)
         self.min_match, self.fallback = min_match, fallback
         self.reads_target_features = fallback.reads_target_features
 
@@ -378,9 +383,9 @@ class PromptLookupDrafter(Drafter):
         return Proposal(torch.tensor([r + [0] * (width - len(r)) for r in rows]), None, trees.steady_rows,
                         sorted(looked), parents=[parents[i] for i in range(len(parents))])
 
-    def set_num_tokens(self, k: int) -> None:
-        self.k = k
-        self.fallback.set_num_tokens(k)
+    def set_num_tokens(self, k: int, tree: TreeShape | None = None) -> None:
+        self.k, self.tree = k, tree
+        self.fallback.set_num_tokens(k, tree)
 
     def reserve(self, num_rows: int, num_slots: int) -> None:
         self.fallback.reserve(num_rows, num_slots)

@@ -8,6 +8,7 @@ import torch
 from saguaro.engine.proposal import Proposal
 from saguaro.engine.round import RoundRecord
 from saguaro.engine.sequence import Sequence
+from saguaro.engine.tree import TreeShape
 from saguaro.speculation.local.drafters import Drafter
 
 
@@ -27,14 +28,14 @@ class DraftProposer:
     def reserve(self, num_rows: int, num_slots: int) -> None:
         self.drafter.reserve(num_rows, num_slots)
 
-    def propose(self, seqs: list[Sequence], k: int) -> Proposal:
+    def propose(self, seqs: list[Sequence], k: int, tree: TreeShape | None = None) -> Proposal:
         started = time.perf_counter()
         if new := [s for s in seqs if s.seq_id not in self.known]:
             self.drafter.prefill(new)
             self.known.update(s.seq_id for s in new)
         start_s = time.perf_counter() - started
-        if k != self.drafter.k:
-            self.drafter.set_num_tokens(k)
+        if (k, tree) != (self.drafter.k, self.drafter.tree):
+            self.drafter.set_num_tokens(k, tree)
         proposal = self.drafter.propose(seqs)
         proposal.start_s = start_s
         return proposal

@@ -9,6 +9,15 @@ planning), whose target keeps only the cores the worker does not hold:
     rate(b, SSD) = b * (p E_hit + (1 - p) E_miss) / (s * max(t_target(b * (K + 1)), K * t_step(b * F))
                                                      + (1 - p) * K * t_step(b))
 
+SD with token trees (saguaro.engine.tree; the configured tree, else `auto_trees`) is a choice
+too, for a draft model that is not EAGLE-style:
+
+    rate(b, tree) = b * E_tree / (t_target(b * (N + 1)) + t_tree(b))
+
+with N the tree's nodes, E_tree the tokens its rounds committed per sequence (before they ran:
+TREE_GAIN times E at its depth) and t_tree(b) its drafting as measured (before: its depth
+times a draft step over b * topk rows).
+
 E_K = 1 + a_1 + a_1 a_2 + ... + a_1...a_K is the expected number of tokens a round commits per
 sequence, a_i the measured chance that draft token i is accepted after the ones before it (over
 about the last 100 SD rounds, greedy rounds and rounds that sample counted apart);
@@ -50,12 +59,13 @@ from pathlib import Path
 
 from saguaro.engine.round import AR, Choice, Proposer, RoundRecord
 from saguaro.engine.sequence import Sequence
+from saguaro.engine.tree import TreeShape
 from saguaro.speculation.local.proposer import DraftProposer
 from saguaro.speculation.remote.proposer import RemoteProposer
 from saguaro.system import CoreShare, use_cores
 
 SSD = "ssd"  # the controller's option of an SSD round
-Option = int | str  # K = 0..K_max, or SSD
+Option = int | str | TreeShape  # K = 0..K_max, SSD, or SD with token trees of a shape
 
 HYSTERESIS = 0.05  # a switch needs this much more predicted throughput
 EXPLORE_WITHIN = 0.85  # an untried choice predicted at least this share of the best is tried once
@@ -73,6 +83,16 @@ MIN_VERIFIED_BEFORE_SSD = 32  # draft tokens verified before the acceptance may 
 SSD_CHECK_ROUNDS = 16  # rounds between two asks whether a worker on the target's cores would pay
 PROFILE_ROUNDS = 256  # rounds between two writes of the profile a later process starts from
 PROFILE_WEIGHT = 32  # verified drafts a position that a restored acceptance counts as, at most
+TREE_GAIN = 1.1  # a tree's committed tokens before it ran: the chain's of its depth times this
+TREE_PRIOR_ROUNDS = 8.0  # ... counted as this many sequence rounds of measurement
+
+
+def auto_trees(k: int) -> list[TreeShape]:
+    """The token trees auto may choose besides chains when none is configured: two branches at
+    each depth within K nodes (as wide as the chain, its runners-up instead of its tail), and
+    three at each of 3 depths over 5 nodes. A pass's rows cost what they cost on this hardware,
+    measured: on a GPU wider trees cost little more, on a CPU core each row costs its share."""
+    return [TreeShape(k, 2, k), TreeShape(min(k, 3), 3, 5)] if k >= 2 else []
 
 
 def batch_bucket(batch: int) -> int:
@@ -139,6 +159,10 @@ class Controller:
     bucket_rounds: Counter = field(default_factory=Counter)  # measured rounds per (batch bucket, sampling)
     last_measured: dict[tuple[int, bool, Option], int] = field(default_factory=dict)  # ... at its latest round
     refresh_after: dict[tuple[int, bool, Option], int] = field(default_factory=dict)  # rounds before a refresh (is_stale)
+    trees: list[TreeShape] = field(default_factory=list)  # the token trees it may choose besides chains
+    tree_draft: dict[TreeShape, RowCosts] = field(default_factory=dict)  # a tree's drafting, by sequences
+    # (sampling, tree) -> decayed sums of the tokens its rounds committed and of their sequence rounds
+    tree_tokens: dict[tuple[bool, TreeShape], list[float]] = field(default_factory=dict)
     current: Option | None = None
     stint: int = 0  # rounds since the last switch
     rounds_by_choice: Counter = field(default_factory=Counter)
@@ -192,8 +216,23 @@ class Controller:
             self._expected[self.sampling] = table
         return self._expected[self.sampling][k]
 
+    def tree_expected_tokens(self, tree: TreeShape) -> float:
+        """The tokens a sequence's round of this tree commits: measured, shrunk towards the
+        chain's of its depth times TREE_GAIN."""
+        prior = TREE_GAIN * self.expected_tokens(min(tree.depth, tree.num_nodes, self.max_k))
+        tokens, rounds = self.tree_tokens.get((self.sampling, tree), (0.0, 0.0))
+        return (tokens + TREE_PRIOR_ROUNDS * prior) / (rounds + TREE_PRIOR_ROUNDS)
+
+    def round_tokens(self, choice: Option) -> float:
+        """The tokens a sequence's round of a choice is expected to commit."""
+        if isinstance(choice, TreeShape):
+            return self.tree_expected_tokens(choice)
+        return self.expected_tokens(self.max_k if choice == SSD else choice)
+
     def predicted_rate(self, batch: int, choice: Option) -> float | None:
         """Committed tokens per second; None where the model lacks a measurement."""
+        if isinstance(choice, TreeShape):
+            return self._predicted_tree(batch, choice)
         k = self.max_k if choice == SSD else choice
         target = self.target(batch * (k + 1))
         step = self.draft_step(batch) if k else 0.0
@@ -202,6 +241,18 @@ class Controller:
         if choice != SSD:  # the draft model runs unless prompt lookup proposed for every sequence
             return batch * self.expected_tokens(k) / (target + k * step * (1 - self.looked_up() ** batch))
         return self._predicted_ssd(batch, target, step, self.ssd_slowdown or math.sqrt(self.ssd_cores_ratio))
+
+    def _predicted_tree(self, batch: int, tree: TreeShape) -> float | None:
+        """A tree's round: the target's pass over its nodes, and its drafting as measured (before
+        it ran: a draft step over its `topk` nodes per sequence at each depth)."""
+        target = self.target(batch * (tree.num_nodes + 1))
+        measured = self.tree_draft.get(tree)
+        draft = measured(batch) if measured is not None and measured.rows else None
+        if draft is None and (step := self.draft_step(batch * tree.topk)) is not None:
+            draft = tree.depth * step
+        if target is None or draft is None:
+            return None
+        return batch * self.tree_expected_tokens(tree) / (target + draft * (1 - self.looked_up() ** batch))
 
     def _predicted_ssd(self, batch: int, target: float, step: float, slowdown: float) -> float:
         k = self.max_k
@@ -261,7 +312,7 @@ class Controller:
         return choice
 
     def choices(self) -> list[Option]:
-        return list(range(self.max_k + 1)) + ([SSD] if self.ssd_cores_ratio else [])
+        return list(range(self.max_k + 1)) + self.trees + ([SSD] if self.ssd_cores_ratio else [])
 
     def choose(self, batch: int, can_try: bool = True) -> Option:
         """AR and the largest K run first, so both costs are measured; then the best rate,
@@ -281,7 +332,7 @@ class Controller:
         best = max(rates, key=rates.get)
         # A try costs a round of that choice: at batch 16 a round of K = 5 runs 96 rows, as long
         # as several AR rounds, and a try of each K costs a 96-token batch a good share of its time.
-        round_s = {c: batch * self.expected_tokens(self.max_k if c == SSD else c) / r for c, r in rates.items()}
+        round_s = {c: batch * self.round_tokens(c) / r for c, r in rates.items()}
         affordable = [c for c in rates if round_s[c] <= TRY_COST * round_s[best]]
         if not can_try:
             affordable = []
@@ -337,6 +388,19 @@ class Controller:
             self._expected.pop(self.sampling, None)
         self._measure(batch, k, committed, target_s + draft_s + draft_prefill_s)
 
+    def record_tree(self, batch: int, tree: TreeShape, target_s: float, draft_s: float, committed: int,
+                    draft_prefill_s: float = 0.0, steady: bool = True) -> None:
+        """One round of SD with token trees: its target pass (rows by its nodes), its drafting
+        (steady: no sequence first caught up on a stretch without the draft) and the tokens it
+        committed."""
+        self.target.add(batch * (tree.num_nodes + 1), target_s)
+        if steady:
+            self.tree_draft.setdefault(tree, RowCosts()).add(batch, draft_s)
+        sums = self.tree_tokens.setdefault((self.sampling, tree), [0.0, 0.0])
+        sums[0] = sums[0] * ACCEPTANCE_DECAY + committed
+        sums[1] = sums[1] * ACCEPTANCE_DECAY + batch
+        self._measure(batch, tree, committed, target_s + draft_s + draft_prefill_s)
+
     def record_ssd(self, batch: int, verify_s: float, wait_s: float, hits: list[bool | None],
                    committed: list[int]) -> None:
         """One SSD round after the first of its stint: per sequence, whether the worker had its
@@ -375,7 +439,7 @@ class Controller:
     def forget_costs(self) -> None:
         """Drops the measured pass costs and rates, keeping the acceptance: rounds run while a
         draft worker was loading on one of the target's cores say little about later ones."""
-        self.target, self.draft_step, self.measured = RowCosts(), RowCosts(), {}
+        self.target, self.draft_step, self.measured, self.tree_draft = RowCosts(), RowCosts(), {}, {}
 
     def _measure(self, batch: int, choice: Option, committed: int, seconds: float) -> None:
         """Adds a round to its choice's rate at this batch size; the first is a warm-up (see RowCosts)."""
@@ -436,16 +500,19 @@ class AutoPolicy:
     """Chooses each round (see the module docstring): K = 0 (a plain AR round) or SD with the
     draft's K, and, once `ssd`'s worker is up, SSD rounds on the cores `cores.ssd`."""
 
-    def __init__(self, draft: DraftProposer, ssd: SSDLauncher | None = None, profile: Path | None = None):
+    def __init__(self, draft: DraftProposer, ssd: SSDLauncher | None = None, profile: Path | None = None,
+                 trees: list[TreeShape] = ()):
         self.draft = draft
-        self.max_k = draft.drafter.k
-        self.controller = Controller(self.max_k)
+        k = draft.drafter.k
+        self.max_k = max([k] + [t.span for t in trees])  # what the engine reserves KV slots for
+        self.controller = Controller(k, trees=list(trees))
         self.profile = profile  # where the controller's profile is kept for the next process (see read_profile)
         if profile is not None:
             if (earlier := read_profile(profile)) is not None:
                 self.controller.start_from(earlier)
             weakref.finalize(self, write_profile, self.controller, profile)
-        self._choices = [AR] + [Choice(draft, k, "sd") for k in range(1, self.max_k + 1)]
+        self._choices = [AR] + [Choice(draft, n, "sd") for n in range(1, k + 1)]
+        self._trees = {tree: Choice(draft, tree.depth, "sd", tree) for tree in trees}
         self.launcher, self.ssd_starting = ssd, None
         self.ssd: RemoteProposer | None = None
         self.cores = ssd.cores if ssd is not None else None
@@ -477,7 +544,9 @@ class AutoPolicy:
                 self.controller.ssd_would_pay(len(seqs), self.cores.ratio):
             self._start_ssd()
         choice = self.controller.choose(len(seqs), can_try=all(self.draft.knows(s) for s in seqs))
-        return Choice(self.ssd, self.max_k, "ssd") if choice == SSD else self._choices[choice]
+        if isinstance(choice, TreeShape):
+            return self._trees[choice]
+        return Choice(self.ssd, self.controller.max_k, "ssd") if choice == SSD else self._choices[choice]
 
     def observe(self, record: RoundRecord) -> None:
         """Records the round's costs, acceptance and committed tokens in the controller. The
@@ -488,6 +557,10 @@ class AutoPolicy:
             if proposal is not None and self.controller.stint > 1:  # a measured SSD round
                 self.controller.record_ssd(batch, record.verify_s, record.propose_s, proposal.hits,
                                            [len(s) - n for s, n in zip(record.seqs, record.lengths_before)])
+            return
+        if record.choice.tree is not None and proposal is not None:
+            self.controller.record_tree(batch, record.choice.tree, record.verify_s, record.propose_s, record.committed,
+                                        proposal.start_s, proposal.steady_rows == batch)
             return
         k = record.choice.k if proposal is not None else 0
         looked_up = set(proposal.looked_up) if proposal is not None else set()

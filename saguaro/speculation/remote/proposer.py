@@ -18,6 +18,7 @@ from saguaro.config import Backup, checked_fan_out
 from saguaro.engine.proposal import Outcome, Proposal
 from saguaro.engine.round import RoundRecord
 from saguaro.engine.sequence import Sequence
+from saguaro.engine.tree import TreeShape
 from saguaro.engine.verify import point_masses
 from saguaro.models.llama import scatter_to_vocab
 from saguaro.speculation.local.drafters import FeatureLog
@@ -117,9 +118,12 @@ class RemoteProposer:
     def metrics(self) -> dict:
         return {**self.stats.summary(), **self.pool.metrics()}
 
-    def propose(self, seqs: list[Sequence], k: int) -> Proposal | None:
+    def propose(self, seqs: list[Sequence], k: int, tree: TreeShape | None = None) -> Proposal | None:
         """The workers' speculation; sequences they do not know are handed to them first, from
-        their committed tokens (so their first round cannot hit). None while no worker is up."""
+        their committed tokens (so their first round cannot hit). None while no worker is up.
+        The workers speculate chains (tree must be None)."""
+        if tree is not None:
+            raise ValueError("SSD's workers speculate chains, not token trees")
         if not self.available:
             if self.features is not None and self.pool.gone:
                 self.features = None  # no worker will read them again
