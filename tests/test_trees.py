@@ -26,7 +26,7 @@ from saguaro.speculation import build
 from saguaro.speculation.policy.auto import Controller
 from saguaro.speculation.local.drafters import pick_nodes
 from stats import ks_pvalue, randomized_pit, teacher_forced_pit
-from test_exactness import ALPHA, NEW, TINY_K, sampled, tiny_model, tiny_outputs, tiny_prompts
+from test_exactness import ALPHA, TINY_K, sampled, tiny_model, tiny_outputs, tiny_prompts
 
 SHAPE = dict(tree_topk=3, num_draft_tokens=6)  # depth TINY_K = 2: 3 children of the root, 9 below, 6 kept
 
