@@ -140,10 +140,11 @@ class SpeculativeConfig:
                                               "(required there; prefer the environment variable, which other "
                                               "users cannot read with ps); a local worker gets a random one",
                                        group="ssd", described="$SAGUARO_DRAFT_SECRET", shown=False)
-    tree_topk: int = _option(1, "grow token trees: expand the N most likely nodes at each of the K depths into "
-                                "their N most likely children (SGLang's speculative_eagle_topk); 1: chains. auto weighs "
-                                "two trees of its own beside chains, or this one where N > 1",
-                             "--tree-topk", "--speculative-eagle-topk", metavar="N")
+    tree_topk: int | None = _option(None, "grow token trees: expand the N most likely nodes at each of the K "
+                                          "depths into their N most likely children (SGLang's "
+                                          "speculative_eagle_topk); 1: chains only; default: SD chains, auto "
+                                          "weighs two trees of its own beside them (with N > 1: this one)",
+                                    "--tree-topk", "--speculative-eagle-topk", metavar="N", described="none")
     num_draft_tokens: int | None = _option(None, "the nodes of a token tree the target verifies (SGLang's "
                                                  "speculative_num_draft_tokens)", "--num-draft-tokens",
                                            "--speculative-num-draft-tokens", described="2K", metavar="N")
@@ -153,9 +154,9 @@ class SpeculativeConfig:
             raise ValueError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
-        if self.tree_topk < 1:
+        if self.tree_topk is not None and self.tree_topk < 1:
             raise ValueError("tree_topk must be >= 1")
-        if self.tree_topk == 1 and self.num_draft_tokens not in (None, self.num_speculative_tokens):
+        if self.tree is None and self.num_draft_tokens not in (None, self.num_speculative_tokens):
             raise ValueError("num_draft_tokens sizes a token tree: set tree_topk > 1 (a chain verifies "
                              "num_speculative_tokens)")
         if self.tree is not None and self.method == "ssd":
@@ -180,10 +181,17 @@ class SpeculativeConfig:
         if not isinstance(self.fan_out, str):
             self.fan_out = checked_fan_out(self.fan_out, self.num_speculative_tokens)
 
+    def as_method(self, method: str, **overrides) -> SpeculativeConfig:
+        """This config for another method (the bench runs each method on one config); SSD,
+        which speculates chains, drops a tree."""
+        if method == "ssd":
+            overrides = {"tree_topk": None, "num_draft_tokens": None, **overrides}
+        return replace(self, method=method, **overrides)
+
     @property
     def tree(self) -> TreeShape | None:
         """The token tree SD grows each round; None: chains of K."""
-        if self.tree_topk == 1:
+        if self.tree_topk is None or self.tree_topk == 1:
             return None
         k = self.num_speculative_tokens
         return TreeShape(k, self.tree_topk, self.num_draft_tokens or 2 * k)

@@ -23,7 +23,7 @@ from saguaro.engine.tree import TreeShape, children, depths, tree_mask, walk, wa
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
 from saguaro.speculation import build
-from saguaro.speculation.policy.auto import Controller
+from saguaro.speculation.policy.auto import Controller, auto_trees
 from saguaro.speculation.local.drafters import pick_nodes
 from stats import ks_pvalue, randomized_pit, teacher_forced_pit
 from test_exactness import ALPHA, TINY_K, sampled, tiny_model, tiny_outputs, tiny_prompts
@@ -264,3 +264,17 @@ def test_auto_tries_a_tree_before_it_ran_from_the_chains_acceptance():
         controller.record(1, k, 0.030, k * 0.001, [k], k + 1)  # every draft accepted, rows free
     assert controller.rate(1, tree) > controller.rate(1, 3)  # TREE_GAIN times the chain's tokens
     assert controller.choose(1) == tree  # untried and predicted best: tried
+
+
+def test_tree_options_are_checked_and_auto_takes_its_trees_from_them():
+    assert SpeculativeConfig("sd", num_speculative_tokens=4, tree_topk=3).tree == TreeShape(4, 3, 8)
+    with pytest.raises(ValueError, match="tree_topk must be >= 1"):
+        SpeculativeConfig("sd", tree_topk=0)
+    with pytest.raises(ValueError, match="set tree_topk > 1"):
+        SpeculativeConfig("sd", num_draft_tokens=8)
+    with pytest.raises(ValueError, match="speculate chains"):
+        SpeculativeConfig("ssd", tree_topk=3)
+    assert SpeculativeConfig("auto", tree_topk=3).as_method("ssd").tree is None
+    assert auto_trees(5) == [TreeShape(5, 2, 5), TreeShape(3, 3, 5)]
+    assert auto_trees(5, topk=1) == []
+    assert auto_trees(5, 3, TreeShape(5, 3, 6)) == [TreeShape(5, 3, 6)]

@@ -117,7 +117,7 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
     decoders = {}
     for name in ("ssd", "ar", "sd", "auto"):  # SSD first: its workers take their cores
         if name in config.methods:
-            decoders[name] = make_decoder(llm.target, replace(spec, method=name), config.model, keep_profile=False)
+            decoders[name] = make_decoder(llm.target, spec.as_method(name), config.model, keep_profile=False)
             if name == "ssd":
                 cores["ssd"] = usable_cores(), torch.get_num_threads()
                 use_cores(*cores["all"])  # auto's SSD shares out what it finds
@@ -140,7 +140,7 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
 
     engines = {name: saguaro_engine(name, Engine(d)) for name, d in decoders.items()}
     assisted = "hf-assisted" in config.methods
-    draft = load_draft(draft_path(replace(spec, method="sd"), config.model), llm.target) if assisted else None
+    draft = load_draft(draft_path(spec.as_method("sd"), config.model), llm.target) if assisted else None
     if assisted and draft.reads_features:
         warnings.warn("hf-assisted skipped: transformers' assisted generation cannot run an EAGLE draft, "
                       "which reads the target's hidden states (pass a standalone --draft to compare)")
@@ -184,7 +184,7 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
     torch.manual_seed(config.seed)
     everything = usable_cores(), config.threads or torch.get_num_threads()
     # no prefix caching: every method prefills every prompt, however often the bench repeats it
-    llm = LLM(config.model, replace(config.speculative, method="ar"), dtype=config.dtype,
+    llm = LLM(config.model, config.speculative.as_method("ar"), dtype=config.dtype,
               quantization=config.quantization, enable_prefix_caching=False)
     cores = {"all": everything}
     llm_engine = llm.engine
@@ -246,7 +246,7 @@ def fan_out_sweep(config: BenchConfig, prompts: list[list[int]], bar: tqdm | Non
     from saguaro.speculation.policy.planning import fit_power_law
 
     fan_outs, k = config.fan_out_sweep, config.speculative.num_speculative_tokens
-    llm = LLM(config.model, replace(config.speculative, method="ssd", fan_out=[max(fan_outs)] * (k + 1)),
+    llm = LLM(config.model, config.speculative.as_method("ssd", fan_out=[max(fan_outs)] * (k + 1)),
               dtype=config.dtype, quantization=config.quantization, enable_prefix_caching=False)
     points = []
     ssd: RemoteProposer = llm.decoder.policy.choice.proposer

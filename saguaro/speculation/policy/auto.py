@@ -87,12 +87,15 @@ TREE_GAIN = 1.1  # a tree's committed tokens before it ran: the chain's of its d
 TREE_PRIOR_ROUNDS = 8.0  # ... counted as this many sequence rounds of measurement
 
 
-def auto_trees(k: int) -> list[TreeShape]:
-    """The token trees auto may choose besides chains when none is configured: two branches at
-    each depth within K nodes (as wide as the chain, its runners-up instead of its tail), and
-    three at each of 3 depths over 5 nodes. A pass's rows cost what they cost on this hardware,
-    measured: on a GPU wider trees cost little more, on a CPU core each row costs its share."""
-    return [TreeShape(k, 2, k), TreeShape(min(k, 3), 3, 5)] if k >= 2 else []
+def auto_trees(k: int, topk: int | None = None, configured: TreeShape | None = None) -> list[TreeShape]:
+    """The token trees auto may choose besides chains: the configured one; none where top-k is 1
+    (chains only); by default two of its own, two branches at each depth within K nodes (as
+    wide as the chain: its runners-up instead of its tail) and three at each of 3 depths over 5
+    nodes. What their rows cost is measured on the hardware at hand: on a GPU wider trees cost
+    little more than a chain, on a CPU core each row costs its share."""
+    if configured is not None:
+        return [configured]
+    return [TreeShape(k, 2, k), TreeShape(min(k, 3), 3, 5)] if topk is None and k >= 2 else []
 
 
 def batch_bucket(batch: int) -> int:
