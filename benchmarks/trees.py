@@ -1,5 +1,5 @@
 """Token trees against chains, side by side: AR, SD with chains, SD with a tree, and auto with
-and without its trees, taking turns prompt group by prompt group (the machine's speed drifts),
+chains only and with the tree beside them, taking turns prompt group by prompt group (the machine's speed drifts),
 on held-out chat or HumanEval prompts. Per configuration: tokens/s (median over the groups of
 its ratio to AR's on the same group), tokens committed per speculation round, and what auto
 chose.
@@ -37,7 +37,8 @@ def main() -> None:
                f"SD, tree {args.tree}": dict(method="sd", num_speculative_tokens=depth, tree_topk=topk,
                                              num_draft_tokens=nodes),
                "auto, chains only": dict(method="auto", num_speculative_tokens=args.k, tree_topk=1),
-               "auto": dict(method="auto", num_speculative_tokens=args.k)}
+               f"auto, chains and tree {args.tree}": dict(method="auto", num_speculative_tokens=depth,
+                                                         tree_topk=topk, num_draft_tokens=nodes)}
     engines = {name: LLM(**o) for name, o in options.items()}
     prompts = bench_prompts(engines["AR"], args.dataset, BenchConfig(num_prompts=(args.groups + 1) * args.batch))
     groups = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]

@@ -143,7 +143,8 @@ class SpeculativeConfig:
     tree_topk: int | None = _option(None, "grow token trees: expand the N most likely nodes at each of the K "
                                           "depths into their N most likely children (SGLang's "
                                           "speculative_eagle_topk); 1: chains only; default: SD chains, auto "
-                                          "weighs two trees of its own beside them (with N > 1: this one)",
+                                          "weighs two trees of its own beside them on an accelerator (with N "
+                                          "> 1: this one, anywhere)",
                                     "--tree-topk", "--speculative-eagle-topk", metavar="N", described="none")
     num_draft_tokens: int | None = _option(None, "the nodes of a token tree the target verifies (SGLang's "
                                                  "speculative_num_draft_tokens)", "--num-draft-tokens",

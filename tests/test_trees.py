@@ -275,6 +275,6 @@ def test_tree_options_are_checked_and_auto_takes_its_trees_from_them():
     with pytest.raises(ValueError, match="speculate chains"):
         SpeculativeConfig("ssd", tree_topk=3)
     assert SpeculativeConfig("auto", tree_topk=3).as_method("ssd").tree is None
-    assert auto_trees(5) == [TreeShape(5, 2, 5), TreeShape(3, 3, 5)]
-    assert auto_trees(5, topk=1) == []
+    assert auto_trees(5, device="cuda") == [TreeShape(5, 2, 5), TreeShape(3, 3, 5)]
+    assert auto_trees(5) == auto_trees(5, topk=1, device="cuda") == []  # none of its own on a CPU
     assert auto_trees(5, 3, TreeShape(5, 3, 6)) == [TreeShape(5, 3, 6)]

@@ -184,7 +184,8 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
         ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path, prefix_cache_mb)
         profile = auto_profile_path(target, spec, model, path) if keep_profile else None
         return auto_decoder(target, drafter, ssd, prefix_cache, profile, [] if drafter.reads_target_features
-                            else auto_trees(spec.num_speculative_tokens, spec.tree_topk, spec.tree))
+                            else auto_trees(spec.num_speculative_tokens, spec.tree_topk, spec.tree,
+                                            target.device.type))
     cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device,
                                                                               spec.num_draft_workers)
     try:

@@ -87,15 +87,19 @@ TREE_GAIN = 1.1  # a tree's committed tokens before it ran: the chain's of its d
 TREE_PRIOR_ROUNDS = 8.0  # ... counted as this many sequence rounds of measurement
 
 
-def auto_trees(k: int, topk: int | None = None, configured: TreeShape | None = None) -> list[TreeShape]:
+def auto_trees(k: int, topk: int | None = None, configured: TreeShape | None = None,
+               device: str = "cpu") -> list[TreeShape]:
     """The token trees auto may choose besides chains: the configured one; none where top-k is 1
-    (chains only); by default two of its own, two branches at each depth within K nodes (as
-    wide as the chain: its runners-up instead of its tail) and three at each of 3 depths over 5
-    nodes. What their rows cost is measured on the hardware at hand: on a GPU wider trees cost
-    little more than a chain, on a CPU core each row costs its share."""
+    (chains only); by default, on an accelerator, two of its own: two branches at each depth
+    within K nodes (as wide as the chain: its runners-up instead of its tail) and three at each
+    of 3 depths over 5 nodes. Not on a CPU: there each row of the target's pass costs about 12%
+    of a step (its dot products are compute-bound past one row), no tree beat the best chain,
+    and trying them cost auto 3-15% of its speed (benchmarks/trees.py)."""
     if configured is not None:
         return [configured]
-    return [TreeShape(k, 2, k), TreeShape(min(k, 3), 3, 5)] if topk is None and k >= 2 else []
+    if topk is not None or k < 2 or device == "cpu":
+        return []
+    return [TreeShape(k, 2, k), TreeShape(min(k, 3), 3, 5)]
 
 
 def batch_bucket(batch: int) -> int:
