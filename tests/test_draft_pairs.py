@@ -1,16 +1,23 @@
 """Any draft file for any target file of the same tokenizer: two tiny random Llama models written
 as GGUF files with SmolLM2's tokenizer make a pair that SD, SSD and auto decode with exactly as
-AR does, and drafts whose tokenizer differs in a token, in EOS or in size, or whose vocabulary
-is padded otherwise than the target's, are refused, the message naming the difference."""
+AR does, as do drafts whose vocabulary is padded to fewer or more rows than the target's (one
+tokenizer); drafts whose tokenizer differs in a token, in EOS or in size are refused, the
+message naming the difference."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 import transformers
 
 from saguaro import LLM, SamplingParams
+import saguaro.engine.verifier as verification
+from saguaro.engine.verify import verify
 from saguaro.models.gguf_file import read_gguf_file
-from saguaro.models.loader import IncompatibleDraftError
+from saguaro.models.llama import LlamaModel
+from saguaro.models.loader import IncompatibleDraftError, fit_vocabulary
+from test_exactness import ALPHA, TINY_V, residual_is_p, sampled, sd_pvalue, tiny_model
 from test_gguf import TOKENIZER_WRITERS, write_gguf
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -99,12 +106,53 @@ def test_a_different_vocabulary_size_is_named(files, smollm2_tokenizer, tmp_path
     assert f"the draft's vocabulary has {len(tokens)} tokens, the target's tokenizer {len(tokens) + 64}" in message
 
 
-def test_a_differently_padded_vocabulary_is_named(files, smollm2_tokenizer, tmp_path):
-    """A target whose embedding has 64 rows beyond its tokenizer's tokens (as Qwen's pad theirs),
-    with a draft of the tokenizer's size: refused, the sizes named."""
+@pytest.fixture(scope="module")
+def padded_target(files, smollm2_tokenizer, tmp_path_factory):
+    """A target whose embedding has 64 rows beyond its tokenizer's tokens, as Qwen 2.5's larger
+    models pad theirs (its smaller ones, the drafts, less), and its AR tokens."""
     vocab = len(smollm2_tokenizer["tokenizer.ggml.tokens"])
-    target = write_pair_gguf(tmp_path / "padded.gguf", tiny_llama(vocab + 64, 1, 0), smollm2_tokenizer)
-    with pytest.raises(IncompatibleDraftError) as refused:
-        LLM(str(target), method="sd", draft=str(files[1]), dtype="float32")
-    assert (f"the draft's vocabulary has {vocab} rows and the target's {vocab + 64}, for a tokenizer of {vocab} "
-            "tokens") in str(refused.value)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SAGUARO_CACHE", str(tmp_path_factory.mktemp("padded-cache")))
+        target = write_pair_gguf(tmp_path_factory.mktemp("padded") / "padded.gguf", tiny_llama(vocab + 64, 2, 0),
+                                 smollm2_tokenizer)
+        with LLM(str(target), method="ar", dtype="float32") as llm:
+            yield target, greedy(llm)
+
+
+@pytest.mark.parametrize("method", ["sd", "ssd", "auto"])
+def test_a_draft_padded_less_than_the_target_decodes_as_ar(files, padded_target, method):
+    target, ar = padded_target
+    with LLM(str(target), method=method, draft=str(files[1]), dtype="float32") as llm:
+        assert greedy(llm) == ar
+        assert llm.decoder.counters.num_draft_tokens > 0  # the draft proposed
+
+
+def test_a_draft_padded_beyond_the_target_decodes_as_ar(files, ar_tokens, smollm2_tokenizer, tmp_path):
+    vocab = len(smollm2_tokenizer["tokenizer.ggml.tokens"])
+    draft = write_pair_gguf(tmp_path / "draft.gguf", tiny_llama(vocab + 128, 1, 1), smollm2_tokenizer)
+    with LLM(str(files[0]), method="sd", draft=str(draft), dtype="float32") as llm:
+        assert greedy(llm) == ar_tokens
+        assert llm.decoder.counters.num_accepted_tokens > 0
+
+
+def short_draft(rows: int) -> LlamaModel:
+    """The tiny target of test_exactness with its vocabulary cut to its first `rows` tokens and
+    noise on its head: a draft of a tokenizer padded to fewer rows than the target's."""
+    full = tiny_model(seed=10, layers=2)
+    draft = LlamaModel(replace(full.config, vocab_size=rows)).eval().requires_grad_(False)
+    state = full.state_dict()
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        state[name] = state[name][:rows]
+    draft.load_state_dict(state)
+    draft.lm_head.weight.add_(0.5 * torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(1)))
+    return draft
+
+
+@pytest.mark.parametrize("rule, exact", [(verify, True), (residual_is_p, False)])
+def test_sd_with_a_draft_padded_less_than_the_target_is_exact(rule, exact, monkeypatch):
+    """The target (8 rows) samples its last two tokens too, which the 6-row draft cannot propose
+    and embeds as zeros; its distributions are widened to 8 rows with zeros."""
+    target, draft = tiny_model(seed=10, layers=2), fit_vocabulary(short_draft(TINY_V - 2), TINY_V, TINY_V - 2)
+    assert draft.config.vocab_size == TINY_V and draft.embed_tokens.weight.shape[0] == TINY_V
+    monkeypatch.setattr(verification, "verify", rule)
+    assert (sd_pvalue(target, draft, sampled(1.0)) > ALPHA) == exact

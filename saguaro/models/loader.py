@@ -5,6 +5,7 @@ use and which may leave out the embedding table they share with their target."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from saguaro.models.eagle import model_class
 from saguaro.models.gguf_file import GGUFFile, read_gguf_file
 from saguaro.models.hub import cache_dir
 from saguaro.models.llama import LlamaModel
-from saguaro.models.packed import pack_linears
+from saguaro.models.packed import PackedLinear, pack_linears
 from saguaro.models.quantized import (GROUP, FileBlocks, GroupCodes, GroupInt4, GroupInt5, GroupInt6, GroupInt8,
                                       StackedCodes, check_mode, quantized_linear)
 
@@ -559,14 +560,18 @@ def quantize_checkpoint(model: LlamaModel, mode: str) -> None:
 
 
 def load_draft(path: str | Path, target: LlamaModel, dtype: torch.dtype | None = None,
-               device: str | torch.device | None = None) -> LlamaModel:
+               device: str | torch.device | None = None, tokens: int | None = None) -> LlamaModel:
     """A draft for `target`: a saguaro checkpoint (embeddings borrowed from the target when the
-    draft omits them) or any other checkpoint load_model reads. Vocabularies must match. It is
-    quantized as the target was (`quantize_checkpoint`), where it runs in the target's dtype."""
+    draft omits them) or any other checkpoint load_model reads. Vocabularies must match, or be
+    one tokenizer's of `tokens` tokens (check_pair's) padded to different numbers of rows
+    (fit_vocabulary). It is quantized as the target was (`quantize_checkpoint`), where it runs
+    in the target's dtype."""
     dtype, device = dtype or target.dtype, device or target.device
     quantization = target.quantization if dtype == target.dtype else None
     if not is_saguaro_checkpoint(path):
         draft = load_model(path, dtype, device, quantization)
+        if tokens is not None:
+            return fit_vocabulary(draft, target.config.vocab_size, tokens)
         _check_vocab(draft.config, target.config, path)
         return draft
     config = ModelConfig.load(Path(path) / "config.json")
@@ -577,6 +582,45 @@ def load_draft(path: str | Path, target: LlamaModel, dtype: torch.dtype | None =
             f"draft {path} borrows the target's embeddings but its width {config.hidden_size} "
             f"differs from the target's {target.config.hidden_size}")
     return load_checkpoint(path, dtype, device, embeddings=embeddings, quantization=quantization)
+
+
+def fit_vocabulary(draft: LlamaModel, rows: int, tokens: int) -> LlamaModel:
+    """A draft whose vocabulary is padded to other than the target's `rows`, both of one
+    tokenizer's `tokens` tokens (Qwen 2.5's small models have 151,936 rows, its large ones
+    152,064, for 151,665 tokens), made to speak the target's: its embedding padded with zero
+    rows or cut to `rows`, and its head predicting the token ids below both (a reduced head: its
+    distributions are widened to the target's vocabulary with zeros, so verification stays
+    exact)."""
+    config = draft.config
+    if config.vocab_size == rows:
+        return draft
+    if min(config.vocab_size, rows) < tokens:
+        raise IncompatibleDraftError(f"the draft's vocabulary has {config.vocab_size} rows and the target's {rows}, "
+                                     f"for a tokenizer of {tokens} tokens")
+    if config.head_vocab_size is not None:
+        head_ids = draft.head_token_ids
+        if int(head_ids.max()) >= rows:
+            raise IncompatibleDraftError(f"the draft's head predicts token ids up to {int(head_ids.max())}, past "
+                                         f"the target's {rows} rows")
+    else:
+        shared = min(config.vocab_size, rows)
+        head_ids = torch.arange(shared, device=draft.device)
+        if shared < config.vocab_size:  # the head's rows past the target's vocabulary are cut
+            packed = isinstance(draft.lm_head, PackedLinear)
+            if not packed and type(draft.lm_head) is not torch.nn.Linear:
+                raise IncompatibleDraftError(
+                    f"the draft's vocabulary ({config.vocab_size} rows) is padded beyond the target's ({rows}) and "
+                    "its quantized head cannot be cut: load it with quantization 'none'")
+            head = torch.nn.Linear(config.hidden_size, shared, bias=False, device="meta")
+            head.weight = torch.nn.Parameter(draft.lm_head.weight[:shared], requires_grad=False)
+            draft.lm_head = PackedLinear(head) if packed else head
+    table = draft.embed_tokens.weight
+    padded = torch.cat((table, table.new_zeros(rows - len(table), table.shape[1]))) if rows > len(table) else table[:rows]
+    draft.embed_tokens.weight = torch.nn.Parameter(padded, requires_grad=False)
+    draft.embed_tokens.num_embeddings = rows
+    draft.config = replace(config, vocab_size=rows, head_vocab_size=len(head_ids), tie_word_embeddings=False)
+    draft.register_buffer("head_token_ids", head_ids)
+    return draft
 
 
 def _check_vocab(draft: ModelConfig, target: ModelConfig, path) -> None:
@@ -605,14 +649,15 @@ def tokenizer_identity(path: str | Path) -> tuple[list[str], int | None, int | N
     return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))), tokenizer.bos_token_id, tokenizer.eos_token_id
 
 
-def check_pair(draft: str | Path, target: str | Path) -> None:
+def check_pair(draft: str | Path, target: str | Path) -> int | None:
     """Raises IncompatibleDraftError where the draft's tokenizer differs from the target's: in
-    its number of tokens, in any token's string, or in its BOS or EOS id; or where the two
-    tokenizers agree but the models' vocabularies are padded to different numbers of rows.
-    Checkpoints without a tokenizer of their own are left to load_draft's vocabulary check."""
+    its number of tokens, in any token's string, or in its BOS or EOS id. Returns the number of
+    tokens of the tokenizer they share (load_draft fits a vocabulary padded to other rows than
+    the target's to it); None where a checkpoint has no tokenizer of its own, which is left to
+    load_draft's vocabulary check."""
     draft_tokenizer, target_tokenizer = tokenizer_identity(draft), tokenizer_identity(target)
     if draft_tokenizer is None or target_tokenizer is None:
-        return
+        return None
     (draft_tokens, *draft_special), (target_tokens, *target_special) = draft_tokenizer, target_tokenizer
     if len(draft_tokens) != len(target_tokens):
         raise IncompatibleDraftError(
@@ -627,20 +672,7 @@ def check_pair(draft: str | Path, target: str | Path) -> None:
         if ours != theirs:
             raise IncompatibleDraftError(f"{name} is {ours} in the draft and {theirs} in the target: "
                                          "speculative decoding needs the same special tokens")
-    draft_rows, target_rows = vocabulary_rows(draft), vocabulary_rows(target)
-    if draft_rows != target_rows:
-        raise IncompatibleDraftError(
-            f"the draft's vocabulary has {draft_rows} rows and the target's {target_rows}, for a tokenizer of "
-            f"{len(target_tokens)} tokens: vocabularies padded differently are not supported")
-
-
-def vocabulary_rows(path: str | Path) -> int:
-    """The rows of a GGUF file's or Hugging Face folder's embedding, as load_model reads them
-    (more than its tokenizer's tokens where the vocabulary is padded)."""
-    folder, gguf_file = checkpoint_files(Path(path))
-    if gguf_file is not None:
-        return gguf_hf_config(read_gguf_file(gguf_file))["vocab_size"]
-    return hf_model_config(json.loads((folder / "config.json").read_text())).vocab_size
+    return len(target_tokens)
 
 
 def _has_own_embeddings(folder: str | Path) -> bool:

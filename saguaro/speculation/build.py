@@ -60,15 +60,18 @@ def fan_out_plan(spec: SpeculativeConfig) -> tuple[list[int], GeometricPlan | No
 
 
 def start_workers(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: str | None,
-                  prefix_cache_mb: float = 0.0) -> DraftPool:
+                  prefix_cache_mb: float = 0.0, tokens: int | None = None) -> DraftPool:
     """New draft workers: spec.num_draft_workers on this machine (pinned to `cpus`), or one at
     each of spec.draft_address's comma-separated addresses. prefix_cache_mb: each draft's
-    prefix cache."""
+    prefix cache. tokens: the tokenizer draft and target share (check_pair), to which a draft
+    padded otherwise is fitted."""
     fan_out, _ = fan_out_plan(spec)
+    vocabulary = None if tokens is None else (target.config.vocab_size, tokens)
     addresses = spec.draft_address.split(",") if spec.draft_address else [None] * spec.num_draft_workers
     configs = [WorkerConfig(DraftSpec(replace(spec, draft=str(path), fan_out=fan_out, draft_address=address,
                                               draft_secret=None),  # the Hello carries no secret
-                                      str(target.dtype).removeprefix("torch."), prefix_cache_mb, target.quantization),
+                                      str(target.dtype).removeprefix("torch."), prefix_cache_mb, target.quantization,
+                                      vocabulary),
                             cpus, secret=spec.draft_secret)
                for address in addresses]
     embeddings = target.embed_tokens.weight.detach().cpu()
@@ -88,9 +91,10 @@ def start_workers(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus:
 
 
 def ssd_proposer(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: str | None,
-                 prefix_cache_mb: float = 0.0, cores: CoreShare | None = None) -> RemoteProposer:
+                 prefix_cache_mb: float = 0.0, cores: CoreShare | None = None,
+                 tokens: int | None = None) -> RemoteProposer:
     """SSD's proposer over new draft workers (see start_workers)."""
-    pool = start_workers(target, spec, path, cpus, prefix_cache_mb)
+    pool = start_workers(target, spec, path, cpus, prefix_cache_mb, tokens)
     return RemoteProposer(pool, spec.backup, fan_out_plan(spec)[1], target.config.vocab_size, cores)
 
 
@@ -116,7 +120,7 @@ def auto_decoder(target: LlamaModel, drafter: Drafter, ssd: SSDLauncher | None =
 
 
 def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
-             prefix_cache_mb: float = 0.0) -> SSDLauncher | None:
+             prefix_cache_mb: float = 0.0, tokens: int | None = None) -> SSDLauncher | None:
     """SSD for method="auto", its worker started on a thread of its own while auto decodes
     without it: on the draft's own device or host, or on this machine's last core where it has
     two or more (None where SSD has no hardware of its own)."""
@@ -133,7 +137,8 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
 
         def run() -> None:
             try:
-                proposer = ssd_proposer(target, spec, path, cpus, prefix_cache_mb, None if elsewhere else cores)
+                proposer = ssd_proposer(target, spec, path, cpus, prefix_cache_mb, None if elsewhere else cores,
+                                        tokens)
             except Exception as e:
                 if not future.cancelled():
                     future.set_exception(e)
@@ -172,16 +177,16 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
     path = None if spec.method == "ar" else draft_path(spec, model)
     if path is None:
         return ar_decoder(target, new_prefix_cache(prefix_cache_mb))
-    check_pair(path, hub.resolve(model))
+    tokens = check_pair(path, hub.resolve(model))
     if spec.tree is not None and target.tensor_parallel is not None:
         raise ValueError("token trees move KV entries that a tensor-parallel target's other ranks hold; "
                          "use chains (tree_topk 1) with tensor_parallel_size > 1")
     if spec.method in ("sd", "auto"):
-        drafter = sd_drafter(load_draft(path, target), spec, prefix_cache_mb)
+        drafter = sd_drafter(load_draft(path, target, tokens=tokens), spec, prefix_cache_mb)
         prefix_cache = None if drafter.reads_target_features else new_prefix_cache(prefix_cache_mb)
         if spec.method == "sd":
             return sd_decoder(target, drafter, prefix_cache, spec.tree)
-        ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path, prefix_cache_mb)
+        ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path, prefix_cache_mb, tokens)
         profile = auto_profile_path(target, spec, model, path) if keep_profile else None
         return auto_decoder(target, drafter, ssd, prefix_cache, profile, [] if drafter.reads_target_features
                             else auto_trees(spec.num_speculative_tokens, spec.tree_topk, spec.tree,
@@ -189,7 +194,7 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
     cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device,
                                                                               spec.num_draft_workers)
     try:
-        proposer = ssd_proposer(target, spec, path, cpus, prefix_cache_mb)
+        proposer = ssd_proposer(target, spec, path, cpus, prefix_cache_mb, tokens=tokens)
     except BaseException:
         if cores_before is not None:
             use_cores(*cores_before)

@@ -12,7 +12,7 @@ import time
 import torch
 
 from saguaro.models.prefix_cache import new_prefix_cache
-from saguaro.models.loader import is_saguaro_checkpoint, load_checkpoint, load_model, resolve_dtype
+from saguaro.models.loader import fit_vocabulary, is_saguaro_checkpoint, load_checkpoint, load_model, resolve_dtype
 from saguaro.system import use_cores
 from saguaro.speculation.protocol import (SECRET_ENV, Channel, DraftRefused, Hello, Prefill, Ready, Release, Shutdown, SparseProbs,
                                           Speculation, SpecRequest)
@@ -24,7 +24,8 @@ def load_draft_model(hello: Hello, device: str):
     dtype, path = resolve_dtype(draft.dtype), draft.speculative.draft
     if is_saguaro_checkpoint(path):
         return load_checkpoint(path, dtype, device, embeddings=hello.embeddings, quantization=draft.quantization)
-    return load_model(path, dtype, device, draft.quantization)
+    model = load_model(path, dtype, device, draft.quantization)
+    return fit_vocabulary(model, *draft.vocabulary) if draft.vocabulary is not None else model
 
 
 class DraftServer:
