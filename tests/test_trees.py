@@ -19,6 +19,7 @@ from conftest import NEW_TOKENS
 from drafts import sd_decoder
 from saguaro import LLM, SamplingParams
 from saguaro.config import SpeculativeConfig
+from saguaro.engine.sampler import sample
 from saguaro.engine.tree import TreeShape, children, depths, tree_mask, walk, walk_greedy
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
@@ -42,12 +43,9 @@ def walk_without_removal(tokens, parents, target_probs, u):
         if step is None:
             residual = p.clone()
             residual[[tokens[c] for c in kids[at + 1]]] = 0
-            return path, int(torch.multinomial(residual / residual.sum(), 1, generator=GENERATOR))
+            return path, int(sample(residual[None], u[-1:])[0])
         path.append(step)
         at = step
-
-
-GENERATOR = torch.Generator().manual_seed(9)
 
 
 def mask_seeing_siblings(parents, starts, width, span):
@@ -218,7 +216,7 @@ def switching_decoder(target, draft, schedule):
 
 
 def switching_pvalue(target, draft, params) -> float:
-    outputs = tiny_outputs(switching_decoder(target, draft, [TREE, TINY_K, TREE, 0, TREE, 1]), params)
+    outputs = tiny_outputs(switching_decoder(target, draft, [TREE, TREE, TINY_K, TREE, 0, TREE]), params)
     return ks_pvalue(teacher_forced_pit(target, tiny_prompts(len(params)), outputs, params))
 
 
