@@ -16,7 +16,7 @@ import saguaro.engine.verifier as verification
 from saguaro.engine.verify import verify
 from saguaro.models.gguf_file import read_gguf_file
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import IncompatibleDraftError, fit_vocabulary
+from saguaro.models.loader import IncompatibleDraftError, check_pair, fit_vocabulary, load_tokenizer
 from test_exactness import ALPHA, TINY_V, residual_is_p, sampled, sd_pvalue, tiny_model
 from test_gguf import TOKENIZER_WRITERS, write_gguf
 
@@ -156,3 +156,30 @@ def test_sd_with_a_draft_padded_less_than_the_target_is_exact(rule, exact, monke
     assert draft.config.vocab_size == TINY_V and draft.embed_tokens.weight.shape[0] == TINY_V
     monkeypatch.setattr(verification, "verify", rule)
     assert (sd_pvalue(target, draft, sampled(1.0)) > ALPHA) == exact
+
+
+@pytest.fixture(scope="module")
+def hf_draft(files, tmp_path_factory):
+    """The draft file's model as a Hugging Face folder, with the target file's tokenizer."""
+    folder = tmp_path_factory.mktemp("hf-draft")
+    tiny_llama(len(load_tokenizer(files[0])), 1, 1).save_pretrained(folder)
+    load_tokenizer(files[0]).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("method", ["sd", "ssd"])
+def test_a_hugging_face_draft_for_a_gguf_target_decodes_as_ar(files, ar_tokens, hf_draft, method):
+    """Tokenizers compared across formats: a folder's tokenizer against a GGUF file's fields."""
+    assert check_pair(hf_draft, files[0]) == len(load_tokenizer(files[0]))
+    with LLM(str(files[0]), method=method, draft=str(hf_draft), dtype="float32") as llm:
+        assert greedy(llm) == ar_tokens
+        assert llm.decoder.counters.num_draft_tokens > 0
+
+
+def test_a_hugging_face_draft_with_another_token_is_named(files, hf_draft, tmp_path):
+    tokenizer = load_tokenizer(files[0])
+    tokenizer.add_tokens(["<brand-new-token>"])
+    tokenizer.save_pretrained(tmp_path)
+    tiny_llama(len(tokenizer), 1, 1).save_pretrained(tmp_path)
+    with pytest.raises(IncompatibleDraftError, match="tokens"):
+        LLM(str(files[0]), method="sd", draft=str(tmp_path), dtype="float32")
