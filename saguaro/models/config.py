@@ -83,12 +83,17 @@ class ModelConfig:
 
     @property
     def llama_like(self) -> bool:
-        """Whether every layer is a plain Llama/Qwen layer (what the native kernels implement)."""
+        """Whether every layer is a plain Llama/Qwen layer."""
+        return self.llama_layers and not self.no_rope_layers
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer is a Llama/Qwen layer, some perhaps without rope (SmolLM3's): what
+        saguaro's C decoder layer implements."""
         return (self.mlp_activation == "silu" and not self.norm_offset and self.embed_scale is None
                 and not self.post_norms and self.attn_scale is None and self.attn_softcap is None
                 and self.logit_softcap is None and self.rotary_dim == self.head_dim
-                and self.rope_attention_factor == 1.0
-                and not self.no_rope_layers and not self.sliding_layers)
+                and self.rope_attention_factor == 1.0 and not self.sliding_layers)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":

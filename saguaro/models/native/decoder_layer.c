@@ -29,6 +29,7 @@ typedef struct {
     const uint16_t *qkv_bias;               /* bf16 [(heads + 2 kv_heads) * head_dim], or NULL */
     const uint8_t *qkv, *o, *gate_up, *down; /* tiles */
     int qkv_bits, o_bits, gate_up_bits, down_bits;
+    int rope; /* 0: the layer's queries and keys take no positions (SmolLM3's every fourth layer) */
 } LayerWeights;
 
 static inline float from_bf16(uint16_t v) {
@@ -172,7 +173,7 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
             uint16_t *head = row + h * D;
             const uint16_t *norm = h < H ? w->q_norm : w->k_norm;
             if (norm) rms_norm(head, norm, D, w->eps, head);
-            rope(head, cos + t * (D / 2), sin + t * (D / 2), D);
+            if (w->rope) rope(head, cos + t * (D / 2), sin + t * (D / 2), D);
         }
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t at = ((row_of[t] * Hkv + h) * cache_slots + slot_of[t]) * D;
