@@ -56,13 +56,16 @@ class Shape:
     heads: int
     kv_heads: int
     intermediate: int
+    arch: str = "llama"  # "smollm3": llama.cpp then skips rope on every 4th layer
 
 
 # None: the source file itself, re-quantized. The others are SmolLM2's shapes (vocabulary 49152,
 # head dimension 64, tied embeddings) with random weights.
 SHAPES = {"135m": None,
           "360m": Shape(hidden=960, layers=32, heads=15, kv_heads=5, intermediate=2560),
-          "1.7b": Shape(hidden=2048, layers=24, heads=32, kv_heads=32, intermediate=8192)}
+          "1.7b": Shape(hidden=2048, layers=24, heads=32, kv_heads=32, intermediate=8192),
+          # SmolLM3-3B's layers (head dimension 128), with SmolLM2's vocabulary of 49,152 for its 128,256
+          "smollm3-3b": Shape(hidden=2048, layers=36, heads=16, kv_heads=4, intermediate=11008, arch="smollm3")}
 _SHAPE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
                "attention.head_count_kv", "rope.dimension_count")
 
@@ -94,7 +97,7 @@ def write_random(source: Path, name: str, shape: Shape, target: Path, seed: int 
     import gguf
 
     reader = gguf.GGUFReader(source)
-    arch = reader.fields["general.architecture"].contents()
+    source_arch, arch = reader.fields["general.architecture"].contents(), shape.arch
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     overrides = {f"{arch}.{key}": value for key, value in zip(_SHAPE_KEYS, (
         shape.layers, shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.hidden // shape.heads))}
@@ -107,6 +110,7 @@ def write_random(source: Path, name: str, shape: Shape, target: Path, seed: int 
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        key = f"{arch}.{key.removeprefix(source_arch + '.')}" if key.startswith(source_arch + ".") else key
         writer.add_key_value(key, overrides.pop(key, field.contents()), kind, sub)
     for key, value in overrides.items():  # shape keys the source lacks
         if isinstance(value, int):
