@@ -19,9 +19,11 @@ import torch
 import transformers
 from transformers.utils import logging
 
+from saguaro.engine.sampler import SamplingParams
 from saguaro.models.config import UnsupportedModelError
+from saguaro.models.gguf_file import read_gguf_file
 from saguaro.models.kv_cache import KVCache
-from saguaro.models.loader import load_model
+from saguaro.models.loader import load_model, load_tokenizer
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -327,3 +329,22 @@ def test_gguf_file_reads_what_gguf_py_reads(converted):
 def test_gguf_file_reads_the_shipped_model_as_gguf_py_does(smollm2_path):
     """Q4_1 and Q8_0 tensors, and the tokenizer's 49,152 tokens and merges."""
     assert_reads_like_gguf_py(smollm2_path)
+
+
+def test_a_smollm3_file_loads_with_its_tokenizer(smollm2_path, tmp_path, monkeypatch):
+    """transformers' GGUF reader knows no "smollm3" file, so its tokenizer is built from the
+    file's tokenizer fields alone; the file then decodes text as any other."""
+    from saguaro import LLM
+
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path / "cache"))
+    fields = {k: v for k, v in read_gguf_file(smollm2_path).fields.items() if k in TOKENIZER_WRITERS}
+    torch.manual_seed(0)
+    config = transformers.SmolLM3Config(**SMALL | dict(vocab_size=len(fields["tokenizer.ggml.tokens"]), num_hidden_layers=4,
+                                                       bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    path = write_gguf(tmp_path / "smollm3.gguf", transformers.AutoModelForCausalLM.from_config(config).eval(),
+                      "smollm3", "SmolLM3 tiny", tokenizer=fields)
+    prompt = "def fibonacci(n):"
+    with LLM(str(path), method="ar", dtype="float32") as llm:
+        assert llm.encode(prompt) == load_tokenizer(smollm2_path)(prompt)["input_ids"]
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 4 and out.text

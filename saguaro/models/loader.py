@@ -688,7 +688,7 @@ def load_tokenizer(path: str | Path):
     Building one from a GGUF file's vocabulary takes seconds (transformers converts it anew),
     so the result is kept in the cache as a tokenizer folder, keyed by the file's name, size
     and modification time, and read from there next time."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.utils import logging
 
     folder, gguf_file = checkpoint_files(Path(path))
@@ -701,7 +701,10 @@ def load_tokenizer(path: str | Path):
         cached = cache_dir() / "tokenizers" / f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
         if cached.is_dir():
             return AutoTokenizer.from_pretrained(str(cached))
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file.name)
+        except ValueError:  # an architecture transformers' GGUF reader lacks (SmolLM3): its tokenizer alone
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder), gguf_file=gguf_file.name)
         _save_atomically(tokenizer, cached)
         return tokenizer
     finally:
