@@ -301,8 +301,9 @@ def test_int8_groups_round_each_weight_to_its_groups_nearest_step():
     assert int(groups.codes.abs().max()) == 127
 
 
-@pytest.mark.parametrize("case", ["smollm3", "control: smollm3 with rope on every layer", "phi3", "gemma2", "gemma3",
-                                  "control: gemma2 on the kernels"])
+@pytest.mark.parametrize("case", ["smollm3", "control: smollm3 with rope on every layer", "phi3 longrope",
+                                  "control: phi3 longrope with rope on half its dimensions", "phi3", "gemma2",
+                                  "gemma3", "control: gemma2 on the kernels"])
 def test_each_architecture_runs_its_layers_where_they_are_implemented(case, tmp_path, monkeypatch):
     """Partial rope, windows, Gemma's norms and soft caps: decoder_layer.c has none of them, so
     such a model keeps its int4 projections but runs torch's layers; SmolLM3's layers without
@@ -316,7 +317,7 @@ def test_each_architecture_runs_its_layers_where_they_are_implemented(case, tmp_
         case = "gemma2"
         monkeypatch.setattr(ModelConfig, "llama_layers", property(lambda self: True))
     elif control:
-        case = "smollm3"
+        case = case.removeprefix("control: ").split(" with ")[0]
     arch, name, _, keys = CASES[case]
     source = source_model(case)
     tensors = {}
@@ -327,15 +328,20 @@ def test_each_architecture_runs_its_layers_where_they_are_implemented(case, tmp_
             tensors[tensor_name] = (gguf.quants.quantize(array, kind), kind)
     path = write_gguf(tmp_path / "tiny.gguf", source, arch, name, keys, tensors)
     model = loader.load_model(path, torch.bfloat16)
-    assert (model.native_layers is not None) == (control or case == "smollm3")
+    assert (model.native_layers is not None) == (control or case in ("smollm3", "phi3 longrope"))
     assert all(isinstance(m, Int4Linear) for n, m in model.named_modules() if n.endswith("_proj"))
     if control and case == "smollm3":  # the kernels told to rotate every layer's queries and keys
         assert any(not layer.self_attn.rope for layer in model.layers)
         for layer in model.layers:
             layer.self_attn.rope = True
         model.native_layers = native.NativeLayers(model)
+    if control and case == "phi3 longrope":  # the kernels told to turn half the dimensions they should
+        for weights in model.native_layers.weights:
+            weights.rotary_dim //= 2
+        model.native_layers.all_weights = (native.LayerWeights * len(model.layers))(*model.native_layers.weights)
     reference = saguaro_logits(loader.load_model(path, torch.float32), TOKENS)
     # Rope in SmolLM3's one rope-less layer of four moves these tiny logits by about 5%: a
     # tighter bound tells the two apart (measured: 0.026 right, 0.051 with rope everywhere).
-    tolerance = 0.035 if case == "smollm3" else 0.15
-    assert (relative_error(saguaro_logits(model, TOKENS), reference) < tolerance) != control
+    tolerance = 0.035 if case in ("smollm3", "phi3 longrope") else 0.15
+    error = relative_error(saguaro_logits(model, TOKENS), reference)
+    assert (error < tolerance) != control, error

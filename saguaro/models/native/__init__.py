@@ -45,7 +45,7 @@ class LayerWeights(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + [
         ("eps", ctypes.c_float)] + [(name, ctypes.c_void_p) for name in (
             "input_norm", "post_norm", "q_norm", "k_norm", "qkv_bias", "qkv", "o", "gate_up", "down")] + [
-        (name, ctypes.c_int) for name in ("qkv_bits", "o_bits", "gate_up_bits", "down_bits", "rope")]
+        (name, ctypes.c_int) for name in ("qkv_bits", "o_bits", "gate_up_bits", "down_bits", "rope", "rotary_dim")]
 
 
 def _library_path() -> Path:
@@ -275,7 +275,7 @@ class NativeLayers:
             attn, mlp = layer.self_attn, layer.mlp
             fields = dict(hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
                           head_dim=config.head_dim, intermediate=config.intermediate_size, eps=config.rms_norm_eps,
-                          rope=int(attn.rope))
+                          rope=int(attn.rope), rotary_dim=config.rotary_dim)
             tensors = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
                        "q_norm": attn.q_norm.weight if attn.q_norm is not None else None,
                        "k_norm": attn.k_norm.weight if attn.k_norm is not None else None,
@@ -295,7 +295,7 @@ class NativeLayers:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, rows, slots: torch.Tensor,
             mask: torch.Tensor, span: int) -> torch.Tensor:
-        """The layers and the final norm over x [B, T, hidden]; cos and sin [B, T, head_dim / 2],
+        """The layers and the final norm over x [B, T, hidden]; cos and sin [B, T, rotary_dim / 2],
         the other arguments as LlamaModel.run_layers has them."""
         B, T, hidden = x.shape
         x = x.to(torch.bfloat16, copy=True).contiguous()
@@ -327,7 +327,7 @@ def attach(model: torch.nn.Module) -> None:
     head_dim = model.config.head_dim
     if not available() or model.dtype != torch.bfloat16 or model.device.type != "cpu" or head_dim % 16 or head_dim > 256:
         return
-    if not model.config.llama_layers:  # decoder_layer.c implements Llama/Qwen layers (SmolLM3's) only
+    if not model.config.llama_layers:  # decoder_layer.c implements Llama/Qwen layers (SmolLM3's, Phi-3's) only
         return
     for layer in model.layers:
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

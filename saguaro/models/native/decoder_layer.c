@@ -30,6 +30,8 @@ typedef struct {
     const uint8_t *qkv, *o, *gate_up, *down; /* tiles */
     int qkv_bits, o_bits, gate_up_bits, down_bits;
     int rope; /* 0: the layer's queries and keys take no positions (SmolLM3's every fourth layer) */
+    int rotary_dim; /* rope turns a head's first rotary_dim dimensions (Phi-3's partial rope), cos and sin
+                       holding rotary_dim / 2 values a token */
 } LayerWeights;
 
 static inline float from_bf16(uint16_t v) {
@@ -89,9 +91,9 @@ static void rms_norm(const uint16_t *x, const uint16_t *weight, int64_t dim, flo
     for (int64_t i = 0; i < dim; i++) out[i] = to_bf16(from_bf16(x[i]) * scale * from_bf16(weight[i]));
 }
 
-/* Rotate-half rope over one head, in fp32, rounded once. */
-static void rope(uint16_t *head, const float *cos, const float *sin, int64_t head_dim) {
-    const int64_t half = head_dim / 2;
+/* Rotate-half rope over a head's first `dims` dimensions, in fp32, rounded once. */
+static void rope(uint16_t *head, const float *cos, const float *sin, int64_t dims) {
+    const int64_t half = dims / 2;
     for (int64_t i = 0; i < half; i++) {
         float a = from_bf16(head[i]), b = from_bf16(head[i + half]);
         head[i] = to_bf16(a * cos[i] - b * sin[i]);
@@ -173,7 +175,7 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
             uint16_t *head = row + h * D;
             const uint16_t *norm = h < H ? w->q_norm : w->k_norm;
             if (norm) rms_norm(head, norm, D, w->eps, head);
-            if (w->rope) rope(head, cos + t * (D / 2), sin + t * (D / 2), D);
+            if (w->rope) rope(head, cos + t * (w->rotary_dim / 2), sin + t * (w->rotary_dim / 2), w->rotary_dim);
         }
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t at = ((row_of[t] * Hkv + h) * cache_slots + slot_of[t]) * D;
