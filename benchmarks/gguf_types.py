@@ -56,7 +56,8 @@ class Shape:
     heads: int
     kv_heads: int
     intermediate: int
-    arch: str = "llama"  # "smollm3": llama.cpp then skips rope on every 4th layer
+    arch: str = "llama"  # "smollm3": llama.cpp then skips rope on every 4th layer; "phi3": fused tensors
+    rotary: float = 1.0  # the share of each head rope turns
 
 
 # None: the source file itself, re-quantized. The others are SmolLM2's shapes (vocabulary 49152,
@@ -65,7 +66,11 @@ SHAPES = {"135m": None,
           "360m": Shape(hidden=960, layers=32, heads=15, kv_heads=5, intermediate=2560),
           "1.7b": Shape(hidden=2048, layers=24, heads=32, kv_heads=32, intermediate=8192),
           # SmolLM3-3B's layers (head dimension 128), with SmolLM2's vocabulary of 49,152 for its 128,256
-          "smollm3-3b": Shape(hidden=2048, layers=36, heads=16, kv_heads=4, intermediate=11008, arch="smollm3")}
+          "smollm3-3b": Shape(hidden=2048, layers=36, heads=16, kv_heads=4, intermediate=11008, arch="smollm3"),
+          # Phi-4-mini's layers (rope over 96 of 128 dimensions; plain rope, no longrope factors),
+          # with SmolLM2's vocabulary for its 200,064
+          "phi4-mini": Shape(hidden=3072, layers=32, heads=24, kv_heads=8, intermediate=8192, arch="phi3",
+                             rotary=0.75)}
 _SHAPE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
                "attention.head_count_kv", "rope.dimension_count")
 
@@ -82,6 +87,13 @@ def layer_tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]
     q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
     tensors = [("token_embd.weight", (vocab, shape.hidden))]
     for i in range(shape.layers):
+        if shape.arch == "phi3":  # attention's and the MLP's input projections fused, as llama.cpp holds them
+            tensors += [(f"blk.{i}.attn_norm.weight", (shape.hidden,)),
+                        (f"blk.{i}.attn_qkv.weight", (q + 2 * kv, shape.hidden)),
+                        (f"blk.{i}.attn_output.weight", (shape.hidden, q)), (f"blk.{i}.ffn_norm.weight", (shape.hidden,)),
+                        (f"blk.{i}.ffn_up.weight", (2 * shape.intermediate, shape.hidden)),
+                        (f"blk.{i}.ffn_down.weight", (shape.hidden, shape.intermediate))]
+            continue
         tensors += [(f"blk.{i}.attn_norm.weight", (shape.hidden,)), (f"blk.{i}.attn_q.weight", (q, shape.hidden)),
                     (f"blk.{i}.attn_k.weight", (kv, shape.hidden)), (f"blk.{i}.attn_v.weight", (kv, shape.hidden)),
                     (f"blk.{i}.attn_output.weight", (shape.hidden, q)), (f"blk.{i}.ffn_norm.weight", (shape.hidden,)),
@@ -100,7 +112,8 @@ def write_random(source: Path, name: str, shape: Shape, target: Path, seed: int 
     source_arch, arch = reader.fields["general.architecture"].contents(), shape.arch
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     overrides = {f"{arch}.{key}": value for key, value in zip(_SHAPE_KEYS, (
-        shape.layers, shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.hidden // shape.heads))}
+        shape.layers, shape.hidden, shape.intermediate, shape.heads, shape.kv_heads,
+        int(shape.rotary * shape.hidden // shape.heads)))}
     overrides |= {"general.file_type": int(gguf.LlamaFileType.MOSTLY_F16), "general.size_label": name.upper(),
                   "general.name": f"random {name}"}
     partial = target.with_suffix(".partial")
