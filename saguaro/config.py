@@ -9,7 +9,6 @@ from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from saguaro.engine.tree import TreeShape
 from saguaro.models import hub
 from saguaro.models.loader import resolve_dtype
 from saguaro.models.quantized import MODES
@@ -98,6 +97,38 @@ class EngineConfig:
         """The prefix cache's MiB: none when it is off, or under tensor parallelism, where it would
         restore rank 0's KV entries only."""
         return self.prefix_cache_mb if self.enable_prefix_caching and self.tensor_parallel_size == 1 else 0.0
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How a draft grows its tree, in SGLang's terms: `depth` draft steps
+    (speculative_num_steps); at each, the `topk` most likely nodes so far are expanded into
+    their `topk` most likely children (speculative_eagle_topk); the `num_nodes` most likely of
+    all are verified (speculative_num_draft_tokens)."""
+    depth: int
+    topk: int
+    num_nodes: int
+
+    def __post_init__(self):
+        if self.depth < 1 or self.topk < 1 or self.num_nodes < 1:
+            raise ValueError(f"a tree needs depth, topk and num_nodes >= 1, got {self}")
+        if self.num_nodes > self.grown:
+            raise ValueError(f"a tree of depth {self.depth} and topk {self.topk} grows {self.grown} nodes; "
+                             f"{self.num_nodes} cannot be verified")
+
+    def __str__(self) -> str:
+        return f"tree {self.depth}x{self.topk}x{self.num_nodes}"  # depth x top-k x nodes
+
+    @property
+    def grown(self) -> int:
+        """Nodes the draft scores: topk children of the root, topk^2 at each further depth."""
+        return self.topk + (self.depth - 1) * self.topk ** 2
+
+    @property
+    def span(self) -> int:
+        """KV slots a round writes past the committed text: the target's nodes, the draft's
+        expanded ones."""
+        return max(self.num_nodes, self.topk * (self.depth - 1))
 
 
 @dataclass

@@ -18,9 +18,9 @@ import saguaro.engine.verifier as verification
 from conftest import NEW_TOKENS
 from drafts import sd_decoder
 from saguaro import LLM, SamplingParams
-from saguaro.config import SpeculativeConfig
+from saguaro.config import SpeculativeConfig, TreeShape
 from saguaro.engine.sampler import sample
-from saguaro.engine.tree import TreeShape, children, depths, tree_mask, walk, walk_greedy
+from saguaro.engine.tree import children, depths, tree_mask, walk, walk_greedy
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
 from saguaro.speculation import build

@@ -15,7 +15,7 @@ import torch
 
 from saguaro.engine.proposal import Outcome, Proposal
 from saguaro.engine.sequence import Sequence
-from saguaro.engine.tree import TreeShape
+from saguaro.config import TreeShape
 from saguaro.engine.verifier import Verifier
 
 

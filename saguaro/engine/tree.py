@@ -19,43 +19,9 @@ its shape, and greedy decoding follows the target's argmax down the tree.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from saguaro.engine.sampler import sample
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """How a draft grows its tree, in SGLang's terms: `depth` draft steps
-    (speculative_num_steps); at each, the `topk` most likely nodes so far are expanded into
-    their `topk` most likely children (speculative_eagle_topk); the `num_nodes` most likely of
-    all are verified (speculative_num_draft_tokens)."""
-    depth: int
-    topk: int
-    num_nodes: int
-
-    def __post_init__(self):
-        if self.depth < 1 or self.topk < 1 or self.num_nodes < 1:
-            raise ValueError(f"a tree needs depth, topk and num_nodes >= 1, got {self}")
-        if self.num_nodes > self.grown:
-            raise ValueError(f"a tree of depth {self.depth} and topk {self.topk} grows {self.grown} nodes; "
-                             f"{self.num_nodes} cannot be verified")
-
-    def __str__(self) -> str:
-        return f"tree {self.depth}x{self.topk}x{self.num_nodes}"  # depth x top-k x nodes
-
-    @property
-    def grown(self) -> int:
-        """Nodes the draft scores: topk children of the root, topk^2 at each further depth."""
-        return self.topk + (self.depth - 1) * self.topk ** 2
-
-    @property
-    def span(self) -> int:
-        """KV slots a round writes past the committed text: the target's nodes, the draft's
-        expanded ones."""
-        return max(self.num_nodes, self.topk * (self.depth - 1))
 
 
 def depths(parents: list[int]) -> list[int]:

@@ -15,7 +15,7 @@ import torch
 
 from saguaro.config import SpeculativeConfig
 from saguaro.engine.round import Choice, Decoder, FixedPolicy
-from saguaro.engine.tree import TreeShape
+from saguaro.config import TreeShape
 from saguaro.engine.verifier import Verifier
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel

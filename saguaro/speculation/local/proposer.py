@@ -8,7 +8,7 @@ import torch
 from saguaro.engine.proposal import Proposal
 from saguaro.engine.round import RoundRecord
 from saguaro.engine.sequence import Sequence
-from saguaro.engine.tree import TreeShape
+from saguaro.config import TreeShape
 from saguaro.speculation.local.drafters import Drafter
 
 

@@ -59,7 +59,7 @@ from pathlib import Path
 
 from saguaro.engine.round import AR, Choice, Proposer, RoundRecord
 from saguaro.engine.sequence import Sequence
-from saguaro.engine.tree import TreeShape
+from saguaro.config import TreeShape
 from saguaro.speculation.local.proposer import DraftProposer
 from saguaro.speculation.remote.proposer import RemoteProposer
 from saguaro.system import CoreShare, use_cores
