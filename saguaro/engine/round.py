@@ -13,9 +13,9 @@ from typing import Protocol
 
 import torch
 
+from saguaro.config import TreeShape
 from saguaro.engine.proposal import Outcome, Proposal
 from saguaro.engine.sequence import Sequence
-from saguaro.config import TreeShape
 from saguaro.engine.verifier import Verifier
 
 

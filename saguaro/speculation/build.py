@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from saguaro.config import SpeculativeConfig
+from saguaro.config import SpeculativeConfig, TreeShape
 from saguaro.engine.round import Choice, Decoder, FixedPolicy
-from saguaro.config import TreeShape
 from saguaro.engine.verifier import Verifier
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel

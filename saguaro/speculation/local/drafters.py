@@ -13,10 +13,10 @@ from typing import Protocol
 
 import torch
 
+from saguaro.config import TreeShape
 from saguaro.engine.proposal import Proposal
 from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
-from saguaro.config import TreeShape
 from saguaro.engine.verify import point_masses
 from saguaro.models.kv_cache import CacheRows, KVCache, ensure_cache
 from saguaro.models.llama import LlamaModel

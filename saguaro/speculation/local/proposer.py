@@ -5,10 +5,10 @@ import time
 
 import torch
 
+from saguaro.config import TreeShape
 from saguaro.engine.proposal import Proposal
 from saguaro.engine.round import RoundRecord
 from saguaro.engine.sequence import Sequence
-from saguaro.config import TreeShape
 from saguaro.speculation.local.drafters import Drafter
 
 

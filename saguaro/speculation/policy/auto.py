@@ -57,9 +57,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from saguaro.config import TreeShape
 from saguaro.engine.round import AR, Choice, Proposer, RoundRecord
 from saguaro.engine.sequence import Sequence
-from saguaro.config import TreeShape
 from saguaro.speculation.local.proposer import DraftProposer
 from saguaro.speculation.remote.proposer import RemoteProposer
 from saguaro.system import CoreShare, use_cores

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from saguaro.config import Backup, checked_fan_out
+from saguaro.config import TreeShape
 from saguaro.engine.proposal import Outcome, Proposal
 from saguaro.engine.round import RoundRecord
 from saguaro.engine.sequence import Sequence
-from saguaro.config import TreeShape
 from saguaro.engine.verify import point_masses
 from saguaro.models.llama import scatter_to_vocab
 from saguaro.speculation.local.drafters import FeatureLog
