@@ -22,7 +22,7 @@ def sd_decoder(target: LlamaModel, draft: LlamaModel, k: int, prompt_lookup: int
                **options) -> Decoder:
     """options: SpeculativeConfig's (a token tree's tree_topk, num_draft_tokens)."""
     spec = SpeculativeConfig("sd", num_speculative_tokens=k, prompt_lookup=prompt_lookup, **options)
-    return build.sd_decoder(target, build.sd_drafter(draft, spec), tree=spec.tree)
+    return build.sd_decoder(target, build.sd_drafter(draft, spec))
 
 
 def worker_config(draft: str, dtype: str, k: int, fan_out: list[int], saguaro_c: float = 1.0, *,

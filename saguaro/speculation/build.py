@@ -101,10 +101,9 @@ def ar_decoder(target: LlamaModel, prefix_cache: PrefixCache | None = None) -> D
     return Decoder(Verifier(target, prefix_cache))
 
 
-def sd_decoder(target: LlamaModel, drafter: Drafter, prefix_cache: PrefixCache | None = None,
-               tree: TreeShape | None = None) -> Decoder:
-    """tree: the token trees the drafter grows (the one it was made with)."""
-    return Decoder(Verifier(target, prefix_cache), FixedPolicy(Choice(DraftProposer(drafter), drafter.k, "sd", tree)))
+def sd_decoder(target: LlamaModel, drafter: Drafter, prefix_cache: PrefixCache | None = None) -> Decoder:
+    return Decoder(Verifier(target, prefix_cache),
+                   FixedPolicy(Choice(DraftProposer(drafter), drafter.k, "sd", drafter.tree)))
 
 
 def ssd_decoder(proposer: RemoteProposer, target: LlamaModel, prefix_cache: PrefixCache | None = None) -> Decoder:
@@ -184,7 +183,7 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
         drafter = sd_drafter(load_draft(path, target, tokens=tokens), spec, prefix_cache_mb)
         prefix_cache = None if drafter.reads_target_features else new_prefix_cache(prefix_cache_mb)
         if spec.method == "sd":
-            return sd_decoder(target, drafter, prefix_cache, spec.tree)
+            return sd_decoder(target, drafter, prefix_cache)
         ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path, prefix_cache_mb, tokens)
         profile = auto_profile_path(target, spec, model, path) if keep_profile else None
         return auto_decoder(target, drafter, ssd, prefix_cache, profile, [] if drafter.reads_target_features
