@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from saguaro.models import hub
+from saguaro.models.graphs import SETTINGS as GRAPH_SETTINGS
 from saguaro.models.loader import resolve_dtype
 from saguaro.models.quantized import MODES
 
@@ -73,6 +74,9 @@ class EngineConfig:
     kv_cache_mb: float = _option(4096.0, "MiB of the target's KV cache for the sequences decoded at once, each "
                                          "holding a row as long as the longest needs; the others wait",
                                  group="admission")
+    cuda_graphs: str = _option("auto", "capture small passes (decode steps, verification, draft steps) as CUDA "
+                                       "graphs: auto on a CUDA device; off; emulated (the same buffers replayed "
+                                       "eagerly, on any device: for tests)", group="model", choices=GRAPH_SETTINGS)
 
     def __post_init__(self):
         resolve_dtype(self.dtype)  # raises on an unknown name
@@ -91,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.kv_cache_mb <= 0:
             raise ValueError(f"kv_cache_mb must be > 0, got {self.kv_cache_mb}")
+        if self.cuda_graphs not in GRAPH_SETTINGS:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_SETTINGS)}, not {self.cuda_graphs!r}")
 
     @property
     def prefix_cache_budget_mb(self) -> float:

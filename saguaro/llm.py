@@ -15,7 +15,7 @@ from saguaro.engine.round import Decoder
 from saguaro.engine.loop import AdmissionLimits, Engine
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
-from saguaro.models import hub
+from saguaro.models import graphs, hub
 from saguaro.models.loader import load_model, load_tokenizer, resolve_dtype
 from saguaro.models.kv_cache import kv_bytes_per_token
 from saguaro.models.tensor_parallel import tensor_parallel
@@ -74,6 +74,7 @@ class LLM:
         else:
             self.target = load_model(path, self.dtype, config.device, config.quantization)
         self.target.set_batch_invariant(config.batch_invariant)
+        graphs.attach(self.target, config.cuda_graphs)
         self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]
         self._ids = itertools.count()
         decoder = make_decoder(self.target, self.speculative_config, str(model), config.prefix_cache_budget_mb)

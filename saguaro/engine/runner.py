@@ -9,15 +9,17 @@ from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
 
 
-def forward_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]],
+def forward_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]] | torch.Tensor,
                    starts: list[int], features: list[torch.Tensor] | None = None,
                    parents: list[list[int]] | None = None) -> torch.Tensor:
     """Appends chunk i to cache row rows[i] at positions starts[i], starts[i]+1, ...
 
     Chunks are right-padded to one length; padding is written to the cache's last slot,
     which is kept as scratch and never attended to. Returns hidden states [B, T, hidden];
-    row i's real tokens are the first len(chunks[i]). A model that reads features (an EAGLE
-    draft) takes features[i], [len(chunks[i]), hidden], with chunk i.
+    row i's real tokens are the first len(chunks[i]). Chunks of one length may come as a
+    tensor [B, T] where they were drawn (a draft's step: no trip to the host). A model that
+    reads features (an EAGLE draft) takes features[i], [len(chunks[i]), hidden], with chunk i.
+    A model with captured passes (saguaro.models.graphs) runs those it takes replayed.
 
     parents: each chunk is a token tree instead (saguaro.engine.tree): token j's parent is
     token parents[i][j] of its chunk (-1: none, the chunk's first token). Token j still goes to
@@ -25,34 +27,46 @@ def forward_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: l
     slots, its ancestors and itself only.
     """
     device = model.device
-    B, T = len(chunks), max(len(c) for c in chunks)
+    lengths = [len(c) for c in chunks]
+    B, T = len(chunks), max(lengths)
     scratch = cache.num_slots - 1
-    span = max(s + len(c) for s, c in zip(starts, chunks))
+    span = max(s + n for s, n in zip(starts, lengths))
     if span > scratch:
         raise IndexError(f"sequence of {span} tokens does not fit a KV cache of {scratch} slots")
     # built in Python and made one tensor: after a pass has streamed the weights through the
     # caches, every small torch operation runs cold (~15 us against 1 us warm), and a decode
     # step's bookkeeping was ~0.3 ms of it
     tokens, positions, slots = [], [], []
-    for i, (chunk, start) in enumerate(zip(chunks, starts)):
-        padding = T - len(chunk)
-        tokens += chunk + [0] * padding
-        positions += range(start, start + len(chunk)) if parents is None else [start + d for d in depths(parents[i])]
+    for i, (length, start) in enumerate(zip(lengths, starts)):
+        padding = T - length
+        if not isinstance(chunks, torch.Tensor):
+            tokens += chunks[i] + [0] * padding
+        positions += range(start, start + length) if parents is None else [start + d for d in depths(parents[i])]
         positions += [0] * padding
-        slots += range(start, start + len(chunk))
+        slots += range(start, start + length)
         slots += [scratch] * padding
-    tokens, positions, slots = torch.tensor([tokens, positions, slots], device=device).view(3, B, T)
-    if parents is None:
-        mask = torch.arange(span, device=device) <= slots[..., None]
-    else:
-        mask = tree_mask(parents, starts, T, span).to(device)
-    rows_t = None if rows == list(range(B)) else torch.tensor(rows, device=device)
-    extra = {}
+    positions, slots = torch.tensor([positions, slots]).view(2, B, T)
+    tokens = chunks if isinstance(chunks, torch.Tensor) else torch.tensor(tokens).view(B, T)
+    mask = torch.arange(span) <= slots[..., None] if parents is None else tree_mask(parents, starts, T, span)
+    padded = None
     if model.reads_features:
         padded = torch.zeros(B, T, model.config.hidden_size, dtype=model.dtype, device=device)
         for i, f in enumerate(features):
             padded[i, :len(f)] = f
-        extra["features"] = padded
+    return run_pass(model, cache, rows, tokens, positions, slots, mask, padded)
+
+
+def run_pass(model: LlamaModel, cache: KVCache, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor,
+             slots: torch.Tensor, mask: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+    """The model over cache rows `rows`, its inputs as LlamaModel.forward takes them, on any
+    device; replayed where the model has the pass captured (saguaro.models.graphs)."""
+    graphs = model.step_graphs
+    if graphs is not None and features is None and graphs.takes(tokens.shape[1]):
+        return graphs.run(cache, rows, tokens, positions, slots, mask)
+    device = model.device
+    tokens, positions, slots, mask = (t.to(device) for t in (tokens, positions, slots, mask))
+    rows_t = None if rows == list(range(len(rows))) else torch.tensor(rows, device=device)
+    extra = {} if features is None else {"features": features}
     return model(tokens, positions, cache, rows=rows_t, slots=slots, mask=mask, **extra)
 
 

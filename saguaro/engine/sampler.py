@@ -59,18 +59,22 @@ class WarpParams:
     top_k: torch.Tensor  # [N]; <= 0 means off
     top_p: torch.Tensor  # [N]
     all_greedy: bool  # every row greedy: drafts are argmaxes, their distributions point masses
+    # known on the host, so that warping never waits for the device to say so
+    any_greedy: bool = True
+    any_filter: bool = True  # some row has top-k or top-p
 
     @classmethod
     def of(cls, params: list[SamplingParams], device="cpu") -> "WarpParams":
         return cls(torch.tensor([p.temperature for p in params], device=device),
                    torch.tensor([p.top_k for p in params], device=device),
                    torch.tensor([p.top_p for p in params], device=device),
-                   all(p.greedy for p in params))
+                   all(p.greedy for p in params), any(p.greedy for p in params),
+                   any(p.top_k > 0 or p.top_p < 1 for p in params))
 
     def repeat(self, n: int) -> "WarpParams":
         """Each row's parameters n times in a row (for [B, n, V] logits flattened to [B*n, V])."""
-        return WarpParams(*(t.repeat_interleave(n) for t in (self.temperature, self.top_k, self.top_p)),
-                          self.all_greedy)
+        return replace(self, temperature=self.temperature.repeat_interleave(n),
+                       top_k=self.top_k.repeat_interleave(n), top_p=self.top_p.repeat_interleave(n))
 
 
 def warp(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
@@ -78,10 +82,10 @@ def warp(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
     logits = logits.float()
     greedy = params.temperature == 0
     scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
-    if bool((params.top_k > 0).any()) or bool((params.top_p < 1).any()):
+    if params.any_filter:
         scaled = _mask_top_k_top_p(scaled, params.top_k, params.top_p)
     probs = torch.softmax(scaled, dim=-1)
-    if bool(greedy.any()):
+    if params.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs

@@ -9,7 +9,7 @@ from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import WarpParams, sample, uniforms, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.tree import walk, walk_greedy
-from saguaro.engine.verify import point_masses, verify, verify_greedy
+from saguaro.engine.verify import point_masses, verify, verify_argmax, verify_greedy
 from saguaro.models.kv_cache import CacheRows, KVCache, ensure_cache
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
@@ -74,6 +74,14 @@ class Verifier:
             seq.commit([token])
         return [Outcome(0, token) for token in tokens], hidden
 
+    @property
+    def device_side(self) -> bool:
+        """Whether a round stays on the target's device until its one transfer to the host (the
+        drafts, accepted lengths and bonus tokens together): where its passes are captured
+        (saguaro.models.graphs). On the CPU the greedy comparison runs on lists instead, where
+        each small torch operation after a pass would run cold."""
+        return self.target.step_graphs is not None
+
     def verify(self, seqs: list[Sequence], proposal: Proposal) -> tuple[list[Outcome], torch.Tensor]:
         """One target pass over [last token, drafts]; commits accepted drafts + bonus. Draft
         distributions None mean the drafts are point masses (greedy drafts, cheap backup tokens)."""
@@ -83,20 +91,32 @@ class Verifier:
         B, K = draft_tokens.shape
         device = self.target.device
         draft_tokens = draft_tokens.to(device)
-        drafts = draft_tokens.tolist()
-        chunks = [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)]
-        hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
+        starts = [len(s) - 1 for s in seqs]
+        if self.device_side:
+            last = torch.tensor([s.token_ids[-1] for s in seqs]).to(device)
+            hidden = forward_chunks(self.target, self.cache, self._rows(seqs),
+                                    torch.cat((last[:, None], draft_tokens), 1), starts)
+        else:
+            drafts = draft_tokens.tolist()
+            hidden = forward_chunks(self.target, self.cache, self._rows(seqs),
+                                    [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)], starts)
         logits = self.target.logits(hidden)
-        if all(s.params.greedy for s in seqs):
+        if all(s.params.greedy for s in seqs) and not self.device_side:
             outcomes = verify_greedy(drafts, logits.argmax(-1).tolist())
         else:
-            params = WarpParams.of([s.params for s in seqs], device).repeat(K + 1)
-            if draft_probs is None:
-                draft_probs = point_masses(draft_tokens, self.target.config.vocab_size)
-            target_probs = warp(logits.flatten(0, 1), params).view(B, K + 1, -1)
-            u = uniforms([s.generator for s in seqs], K + 1).to(device)
-            accepted_len, bonus = verify(draft_tokens, draft_probs.to(device), target_probs, u[:, :K], u[:, K])
-            outcomes = [Outcome(*o) for o in zip(accepted_len.tolist(), bonus.tolist())]
+            if all(s.params.greedy for s in seqs):
+                accepted_len, bonus = verify_argmax(draft_tokens, logits.argmax(-1))
+            else:
+                params = WarpParams.of([s.params for s in seqs], device).repeat(K + 1)
+                if draft_probs is None:
+                    draft_probs = point_masses(draft_tokens, self.target.config.vocab_size)
+                target_probs = warp(logits.flatten(0, 1), params).view(B, K + 1, -1)
+                u = uniforms([s.generator for s in seqs], K + 1).to(device)
+                accepted_len, bonus = verify(draft_tokens, draft_probs.to(device), target_probs, u[:, :K], u[:, K])
+            # the round's one wait for the device: everything the host needs, in one transfer
+            host = torch.cat((draft_tokens, accepted_len[:, None], bonus[:, None]), 1).tolist()
+            drafts = [row[:K] for row in host]
+            outcomes = [Outcome(row[K], row[K + 1]) for row in host]
         for seq, drafted, outcome in zip(seqs, drafts, outcomes):
             seq.commit(drafted[:outcome.accepted_len] + [outcome.bonus_token])
         return outcomes, hidden

@@ -49,6 +49,13 @@ def verify_greedy(draft_tokens: list[list[int]], target_tokens: list[list[int]])
     return outcomes
 
 
+def verify_argmax(draft_tokens: torch.Tensor, argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_greedy` on the device: draft_tokens [B, K], the target's argmaxes [B, K+1] ->
+    accepted_len [B], bonus_token [B], with no wait for the host."""
+    accepted_len = (draft_tokens == argmax[:, :-1]).int().cumprod(-1).sum(-1)
+    return accepted_len, argmax.gather(1, accepted_len[:, None].long())[:, 0]
+
+
 def point_masses(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, K] tokens -> [B, K, V] distributions with all mass on each token."""
     return torch.zeros(*tokens.shape, vocab_size, device=tokens.device).scatter_(-1, tokens[..., None], 1.0)

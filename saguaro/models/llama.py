@@ -221,6 +221,9 @@ class LlamaModel(nn.Module):
         self.native_layers = None  # saguaro.models.native.NativeLayers, where the loader attached them
         self.quantization: str | None = None  # the mode the loader built it in (saguaro.models.quantized)
         self.tensor_parallel = None  # rank 0 of a tensor-parallel target: its Driver (saguaro.models.tensor_parallel)
+        self.cuda_graphs = "auto"  # how its small passes are captured (saguaro.models.graphs; a draft takes its target's)
+        self.step_graphs = None  # saguaro.models.graphs.StepGraphs, where attached
+        self.static_shapes = False  # a pass being captured: no host synchronisation, no shape read from data
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """Computes the rope buffers anew: a model built on the meta device has none."""
@@ -271,14 +274,16 @@ class LlamaModel(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()  # [B, T, rotary_dim / 2]
         if self.config.rope_attention_factor != 1.0:
             cos, sin = cos * self.config.rope_attention_factor, sin * self.config.rope_attention_factor
-        rows = as_slice(rows)
+        if not self.static_shapes:  # a captured pass reads its rows by index, as they are
+            rows = as_slice(rows)
         if self.native_layers is not None:
             return self.native_layers.run(x, cos, sin, cache, rows, slots, mask, mask.shape[-1])  # norm included
         group = self.config.num_heads // self.config.num_kv_heads
-        full = (cos[:, :, None], sin[:, :, None], gqa_mask(mask, group))
+        full = (cos[:, :, None], sin[:, :, None], gqa_mask(mask, group, self._dense(mask)))
         local = full
         if self.config.sliding_layers:
-            local = (*full[:2], gqa_mask(window_mask(mask, self.config.sliding_window), group))
+            window = window_mask(mask, self.config.sliding_window)
+            local = (*full[:2], gqa_mask(window, group, self._dense(window)))
             if self.inv_freq_local is not None:
                 freqs = positions[..., None, None].float() * self.inv_freq_local
                 local = (freqs.cos(), freqs.sin(), local[2])
@@ -286,6 +291,10 @@ class LlamaModel(nn.Module):
             cos, sin, attn_mask = local if layer.sliding else full
             x = layer(x, cos, sin, cache, rows, slots, attn_mask, mask.shape[-1])
         return self.norm(x)
+
+    def _dense(self, mask: torch.Tensor) -> bool:
+        """Every token sees every slot; not asked of a pass being captured (it would synchronise)."""
+        return not self.static_shapes and bool(mask.all())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the full vocabulary. With a reduced head, tokens outside it get
@@ -330,10 +339,11 @@ def window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
     return mask & (seen_after <= window)
 
 
-def gqa_mask(mask: torch.Tensor, group: int) -> torch.Tensor | None:
+def gqa_mask(mask: torch.Tensor, group: int, dense: bool = False) -> torch.Tensor | None:
     """[B, T, S] -> [B, 1, group * T, S], the layout Attention stacks query heads in; None
-    when every token sees every slot (one-token decode), which takes SDPA's unmasked path."""
-    if mask.all():
+    where `dense` says every token sees every slot (one-token decode), which takes SDPA's
+    unmasked path."""
+    if dense:
         return None
     B, T, S = mask.shape
     return mask[:, None].expand(B, group, T, S).reshape(B, 1, group * T, S)

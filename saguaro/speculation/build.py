@@ -16,7 +16,7 @@ import torch
 from saguaro.config import SpeculativeConfig, TreeShape
 from saguaro.engine.round import Choice, Decoder, FixedPolicy
 from saguaro.engine.verifier import Verifier
-from saguaro.models import hub
+from saguaro.models import graphs, hub
 from saguaro.models.llama import LlamaModel
 from saguaro.models.loader import IncompatibleDraftError, check_pair, load_draft
 from saguaro.models.prefix_cache import PrefixCache, new_prefix_cache
@@ -70,7 +70,7 @@ def start_workers(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus:
     configs = [WorkerConfig(DraftSpec(replace(spec, draft=str(path), fan_out=fan_out, draft_address=address,
                                               draft_secret=None),  # the Hello carries no secret
                                       str(target.dtype).removeprefix("torch."), prefix_cache_mb, target.quantization,
-                                      vocabulary),
+                                      vocabulary, target.cuda_graphs),
                             cpus, secret=spec.draft_secret)
                for address in addresses]
     embeddings = target.embed_tokens.weight.detach().cpu()
@@ -180,7 +180,8 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
         raise ValueError("token trees move KV entries that a tensor-parallel target's other ranks hold; "
                          "use chains (tree_topk 1) with tensor_parallel_size > 1")
     if spec.method in ("sd", "auto"):
-        drafter = sd_drafter(load_draft(path, target, tokens=tokens), spec, prefix_cache_mb)
+        draft = graphs.attach(load_draft(path, target, tokens=tokens), target.cuda_graphs)
+        drafter = sd_drafter(draft, spec, prefix_cache_mb)
         prefix_cache = None if drafter.reads_target_features else new_prefix_cache(prefix_cache_mb)
         if spec.method == "sd":
             return sd_decoder(target, drafter, prefix_cache)

@@ -51,6 +51,7 @@ class DraftSpec:
     # (the target's vocabulary rows, the tokens of the tokenizer the pair shares): a draft padded
     # otherwise is fitted to the target's rows (loader.fit_vocabulary); None: no tokenizer was compared
     vocabulary: tuple[int, int] | None = None
+    cuda_graphs: str = "auto"  # the target's setting (saguaro.models.graphs)
 
 
 @dataclass

@@ -131,9 +131,8 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
             probs.append(q)
         tokens.append(token)
         if i < k - 1:
-            step = [[t] for t in token.tolist()]
             own = list(hidden[:, None]) if model.reads_features else None
-            hidden = forward_chunks(model, cache, rows, step, [e + i for e in ends], own)[:, 0]
+            hidden = forward_chunks(model, cache, rows, token[:, None], [e + i for e in ends], own)[:, 0]
     return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, torch.stack(hiddens, 1)
 
 

@@ -43,6 +43,12 @@ class WorkerConfig:
     secret: str | None = field(default=None, repr=False)
 
 
+def same_gpu(a: str, b: str) -> bool:
+    """Whether two device names are one GPU ("cuda" is "cuda:0")."""
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type == "cuda" and (a.index or 0) == (b.index or 0)
+
+
 def _stop_process(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.terminate()
@@ -59,7 +65,9 @@ class DraftClient:
         self.config, self.embeddings, self.target_device = config, embeddings, target_device
         self.incarnation = incarnation
         device, address = config.draft.speculative.draft_device, config.draft.speculative.draft_address
-        nccl = device.startswith("cuda") and str(target_device).startswith("cuda")
+        # NCCL between two GPUs; a worker on the target's own GPU talks through the host
+        nccl = device.startswith("cuda") and str(target_device).startswith("cuda") and not same_gpu(device,
+                                                                                                  target_device)
         host, port = (address.rsplit(":", 1) if address else ("127.0.0.1", "0"))
         host = host.strip("[]")  # an IPv6 address: [::1]:PORT
         secret = secrets.token_urlsafe(32) if address is None else config.secret or os.environ.get(SECRET_ENV)
@@ -71,7 +79,7 @@ class DraftClient:
         self.process: subprocess.Popen | None = None
         if address is None:
             command = [sys.executable, "-m", "saguaro.speculation.worker", "--connect",
-                       f"127.0.0.1:{self.channel.port}", "--device", device]
+                       f"127.0.0.1:{self.channel.port}", "--device", device, "--link", "nccl" if nccl else "gloo"]
             if config.cpus:
                 command += ["--cpus", config.cpus]
             # The secret goes through the environment: argv is visible to every user (ps).

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from saguaro.models import graphs
 from saguaro.models.prefix_cache import new_prefix_cache
 from saguaro.models.loader import fit_vocabulary, is_saguaro_checkpoint, load_checkpoint, load_model, resolve_dtype
 from saguaro.system import use_cores
@@ -19,13 +20,17 @@ from saguaro.speculation.protocol import (SECRET_ENV, Channel, DraftRefused, Hel
 from saguaro.speculation.worker.speculator import Speculator
 
 
-def load_draft_model(hello: Hello, device: str):
+def read_draft(hello: Hello, device: str):
     draft = hello.draft
     dtype, path = resolve_dtype(draft.dtype), draft.speculative.draft
     if is_saguaro_checkpoint(path):
         return load_checkpoint(path, dtype, device, embeddings=hello.embeddings, quantization=draft.quantization)
     model = load_model(path, dtype, device, draft.quantization)
     return fit_vocabulary(model, *draft.vocabulary) if draft.vocabulary is not None else model
+
+
+def load_draft_model(hello: Hello, device: str):
+    return graphs.attach(read_draft(hello, device), hello.draft.cuda_graphs)
 
 
 class DraftServer:
@@ -86,6 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="saguaro draft worker")
     parser.add_argument("--connect", required=True, help="HOST:PORT of the engine")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--link", choices=["nccl", "gloo"], default=None,
+                        help="how messages travel: nccl between two GPUs, gloo through the host (default: nccl "
+                             "where --device is a GPU); a worker on its engine's own GPU takes gloo, as NCCL "
+                             "joins no two processes on one device")
     parser.add_argument("--cpus", default=None, help="CPU cores to pin to, e.g. '1' or '2,3'")
     parser.add_argument("--timeout", type=float, default=7 * 24 * 3600.0,
                         help="seconds to wait for the engine (to connect, and between messages)")
@@ -98,7 +107,9 @@ def main(argv: list[str] | None = None) -> None:
         cores = {int(c) for c in args.cpus.split(",")}
         use_cores(cores, len(cores))
     host, port = args.connect.rsplit(":", 1)
-    channel = Channel(host.strip("[]"), int(port), rank=1, device=args.device, timeout_s=args.timeout).connect()
+    link = args.link or ("nccl" if args.device.startswith("cuda") else "gloo")
+    channel = Channel(host.strip("[]"), int(port), rank=1, device=args.device if link == "nccl" else "cpu",
+                      timeout_s=args.timeout).connect()
     try:
         channel.authenticate(secret)
     except DraftRefused as e:

@@ -16,7 +16,7 @@ import torch
 
 from saguaro.config import Backup, checked_fan_out
 from saguaro.engine.proposal import Outcome
-from saguaro.engine.runner import forward_chunks, last_hidden
+from saguaro.engine.runner import forward_chunks, last_hidden, run_pass
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
@@ -269,20 +269,22 @@ class Speculator:
         prefix_end = committed[:, None] - 1 + accepted[None]  # last linear slot each branch sees
         params = self._warp_params(seqs, NB)
         u = self._uniforms(seqs, NB * k).view(B, NB, k)
-        rows = torch.tensor(self.drafter.rows[[s.seq_id for s in seqs]], device=device)
+        rows = self.drafter.rows[[s.seq_id for s in seqs]]
+        base_max = max(len(s.token_ids) for s in seqs) + k  # int(base.max()), without waiting for the device
         branch = torch.arange(NB, device=device)
         tokens, drafted, probs = first, [], []
         extra = {"features": position_hidden[:, branch_len]} if self.drafter.reads_target_features else {}
         branch_features = []
         for depth in range(k):
-            span = int(base.max()) + (depth + 1) * NB
+            span = base_max + (depth + 1) * NB
             slot_ids = torch.arange(span, device=device)
             rel = slot_ids[None, None] - base[:, None, None]  # [B, 1, span]
             in_branch = (rel >= 0) & (rel % NB == branch[None, :, None]) & (rel // NB <= depth)
             mask = (slot_ids[None, None] <= prefix_end[..., None]) | in_branch
             positions = committed[:, None] + accepted[None] + depth
             slots = (base[:, None] + depth * NB + branch[None]).expand(B, NB)
-            hidden = self.draft(tokens, positions, self.drafter.kv_cache, rows=rows, slots=slots, mask=mask, **extra)
+            hidden = run_pass(self.draft, self.drafter.kv_cache, rows, tokens, positions, slots, mask,
+                              extra.get("features"))
             if extra:
                 extra["features"] = hidden
                 branch_features.append(hidden)

@@ -1,0 +1,46 @@
+"""benchmarks/gpu_check.py end to end on the CPU: every check the GPU run makes, at CI's size.
+
+The script is what a GPU lent for minutes runs, once; a break found only there costs the
+loan. Here it runs whole with --device cpu (captured passes emulated, the SSD worker on the
+CPU), and every check must pass and land in its JSON report.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_runs_end_to_end_on_the_cpu(gpu_check, tmp_path):
+    code = gpu_check.main(["--device", "cpu", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(report["checks"]) == {"logits", "greedy", "exactness", "speed", "costs"}
+    failed = {name: check for name, check in report["checks"].items() if not check.get("passed")}
+    assert not failed and code == 0 and report["passed"]
+    assert report["checks"]["greedy"]["sd_captured_passes"] > 0  # the target's passes ran captured
+    assert report["checks"]["exactness"]["control_pvalue"] < report["checks"]["exactness"]["alpha"]
+    assert {"ar", "sd", "ssd", "auto"} <= set(report["checks"]["speed"]["tok_s"])
+    assert len(report["checks"]["costs"]["what_if_batch1"]) == 6
+
+
+def test_what_if_follows_its_formulas(gpu_check):
+    target = {1: 0.010, 6: 0.012}
+    draft = {1: 0.001, 16: 0.002}
+    rows = gpu_check.what_if(target, draft, k=5)
+    first = rows[0]  # a = 0.6, h = 0.6
+    expected = (1 - 0.6 ** 6) / 0.4
+    assert first["ar_tok_s"] == pytest.approx(100.0)
+    assert first["sd_tok_s"] == pytest.approx(expected / (0.012 + 5 * 0.001))
+    assert first["ssd_tok_s"] == pytest.approx(expected / (max(0.012, 5 * 0.002) + 0.4 * 5 * 0.001))
