@@ -27,7 +27,7 @@ def forward_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: l
     slots, its ancestors and itself only.
     """
     device = model.device
-    lengths = [len(c) for c in chunks]
+    lengths = [chunks.shape[1]] * len(chunks) if isinstance(chunks, torch.Tensor) else [len(c) for c in chunks]
     B, T = len(chunks), max(lengths)
     scratch = cache.num_slots - 1
     span = max(s + n for s, n in zip(starts, lengths))
@@ -45,8 +45,10 @@ def forward_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: l
         positions += [0] * padding
         slots += range(start, start + length)
         slots += [scratch] * padding
-    positions, slots = torch.tensor([positions, slots]).view(2, B, T)
-    tokens = chunks if isinstance(chunks, torch.Tensor) else torch.tensor(tokens).view(B, T)
+    if isinstance(chunks, torch.Tensor):
+        tokens, (positions, slots) = chunks, torch.tensor([positions, slots]).view(2, B, T)
+    else:
+        tokens, positions, slots = torch.tensor([tokens, positions, slots]).view(3, B, T)
     mask = torch.arange(span) <= slots[..., None] if parents is None else tree_mask(parents, starts, T, span)
     padded = None
     if model.reads_features:
@@ -64,7 +66,8 @@ def run_pass(model: LlamaModel, cache: KVCache, rows: list[int], tokens: torch.T
     if graphs is not None and features is None and graphs.takes(tokens.shape[1]):
         return graphs.run(cache, rows, tokens, positions, slots, mask)
     device = model.device
-    tokens, positions, slots, mask = (t.to(device) for t in (tokens, positions, slots, mask))
+    if device.type != "cpu":  # on the CPU each call, even one that moves nothing, runs cold after a pass
+        tokens, positions, slots, mask = (t.to(device) for t in (tokens, positions, slots, mask))
     rows_t = None if rows == list(range(len(rows))) else torch.tensor(rows, device=device)
     extra = {} if features is None else {"features": features}
     return model(tokens, positions, cache, rows=rows_t, slots=slots, mask=mask, **extra)
