@@ -56,8 +56,14 @@ class Shape:
     heads: int
     kv_heads: int
     intermediate: int
-    arch: str = "llama"  # "smollm3": llama.cpp then skips rope on every 4th layer; "phi3": fused tensors
+    arch: str = "llama"  # "smollm3": llama.cpp then skips rope on every 4th layer; "phi3": fused tensors;
+    # "gemma3": q / k norms and norms after attention and the MLP, windows on 5 layers of 6
     rotary: float = 1.0  # the share of each head rope turns
+    head_dim: int | None = None  # None: hidden / heads
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 # None: the source file itself, re-quantized. The others are SmolLM2's shapes (vocabulary 49152,
@@ -70,9 +76,12 @@ SHAPES = {"135m": None,
           # Phi-4-mini's layers (rope over 96 of 128 dimensions; plain rope, no longrope factors),
           # with SmolLM2's vocabulary for its 200,064
           "phi4-mini": Shape(hidden=3072, layers=32, heads=24, kv_heads=8, intermediate=8192, arch="phi3",
-                             rotary=0.75)}
+                             rotary=0.75),
+          # Gemma-3-1B's layers (head dimension 256), with SmolLM2's vocabulary for its 262,144
+          "gemma3-1b": Shape(hidden=1152, layers=26, heads=4, kv_heads=1, intermediate=6912, arch="gemma3",
+                             head_dim=256)}
 _SHAPE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
-               "attention.head_count_kv", "rope.dimension_count")
+               "attention.head_count_kv", "rope.dimension_count", "attention.key_length", "attention.value_length")
 
 
 def quiet_llamacpp(level: int = logging.ERROR) -> None:
@@ -83,7 +92,7 @@ def quiet_llamacpp(level: int = logging.ERROR) -> None:
 
 def layer_tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     """llama.cpp's names and shapes (outermost first) for a Llama model with a tied head."""
-    head_dim = shape.hidden // shape.heads
+    head_dim = shape.head_width
     q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
     tensors = [("token_embd.weight", (vocab, shape.hidden))]
     for i in range(shape.layers):
@@ -100,6 +109,10 @@ def layer_tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]
                     (f"blk.{i}.ffn_gate.weight", (shape.intermediate, shape.hidden)),
                     (f"blk.{i}.ffn_up.weight", (shape.intermediate, shape.hidden)),
                     (f"blk.{i}.ffn_down.weight", (shape.hidden, shape.intermediate))]
+        if shape.arch == "gemma3":
+            tensors += [(f"blk.{i}.attn_q_norm.weight", (head_dim,)), (f"blk.{i}.attn_k_norm.weight", (head_dim,)),
+                        (f"blk.{i}.post_attention_norm.weight", (shape.hidden,)),
+                        (f"blk.{i}.post_ffw_norm.weight", (shape.hidden,))]
     return tensors + [("output_norm.weight", (shape.hidden,))]
 
 
@@ -113,7 +126,9 @@ def write_random(source: Path, name: str, shape: Shape, target: Path, seed: int 
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     overrides = {f"{arch}.{key}": value for key, value in zip(_SHAPE_KEYS, (
         shape.layers, shape.hidden, shape.intermediate, shape.heads, shape.kv_heads,
-        int(shape.rotary * shape.hidden // shape.heads)))}
+        int(shape.rotary * shape.head_width), shape.head_width, shape.head_width))}
+    if arch == "gemma3":
+        overrides[f"{arch}.attention.sliding_window"] = 512
     overrides |= {"general.file_type": int(gguf.LlamaFileType.MOSTLY_F16), "general.size_label": name.upper(),
                   "general.name": f"random {name}"}
     partial = target.with_suffix(".partial")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from saguaro.distill import evaluate
-from saguaro.distill.draft import DraftSpec, init_draft, select_vocab
+from saguaro.distill.draft import DraftSpec, init_draft, select_vocab, target_layers
 from saguaro.distill.teacher import TeacherConfig, length_batches, target_features, teach_batch
 from saguaro.distill.train import TrainConfig, split_heldout, train
 from saguaro.models.config import ModelConfig
@@ -15,10 +15,11 @@ from saguaro.models.llama import LlamaModel
 VOCAB = 64
 
 
-def tiny_target() -> LlamaModel:
+def tiny_target(**features) -> LlamaModel:
+    """features: ModelConfig's fields of another architecture (TINY_ARCHITECTURES)."""
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
-                         num_kv_heads=2, head_dim=8, eos_token_ids=[])
+                         num_kv_heads=2, head_dim=8, eos_token_ids=[], **features)
     model = LlamaModel(config)
     with torch.no_grad():
         model.lm_head.weight.mul_(6)  # peaked, context-dependent distributions worth imitating
@@ -32,6 +33,10 @@ def target():
 
 @pytest.fixture(scope="module")
 def sequences(target):
+    return teacher_sequences(target)
+
+
+def teacher_sequences(target: LlamaModel) -> list:
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()
                for n in torch.randint(4, 12, (96,), generator=gen)]
@@ -117,3 +122,46 @@ def test_batch_schedule_walks_epochs_of_different_sizes():
     assert [epoch for epoch, _ in steps] == [e for e, n in enumerate(sizes) for _ in range(n)]
     for epoch, rows in steps:
         assert len(rows) == config.rows and all(rows)
+
+
+# Each architecture's features on the tiny target: Gemma's norms, GeGLU, scaled embeddings, soft
+# caps, query scale, windows and local rope; Phi-3's partial rope and windows; SmolLM3's layer
+# without rope.
+TINY_ARCHITECTURES = {
+    "gemma": dict(mlp_activation="gelu_tanh", norm_offset=1.0, embed_scale=32 ** 0.5, post_norms=True, qk_norm=True,
+                  attn_scale=0.25, attn_softcap=20.0, logit_softcap=30.0, sliding_window=4, sliding_layers=[0, 1, 2],
+                  rope_local_theta=1000.0),
+    "phi3": dict(partial_rotary_factor=0.5, sliding_window=6, sliding_layers=[0, 1, 2, 3]),
+    "smollm3": dict(no_rope_layers=[3]),
+}
+
+
+@pytest.mark.parametrize("architecture", list(TINY_ARCHITECTURES))
+def test_distill_makes_a_draft_for_any_architecture(architecture):
+    """The default layers (the first and the last) fit any target; the draft keeps what its
+    layers had (a window, no rope), learns, and drafts for SD with greedy output equal to AR."""
+    from drafts import sd_decoder
+    from saguaro.engine.sampler import SamplingParams
+    from saguaro.speculation.build import ar_decoder
+    from test_exactness import NEW, tiny_outputs
+
+    target = tiny_target(**TINY_ARCHITECTURES[architecture])
+    sequences = teacher_sequences(target)
+    layers = target_layers("0,-1", target.config.num_layers)
+    assert layers == (0, 3)
+    train_seqs, heldout = split_heldout(sequences, every=4)
+    draft = init_draft(target, DraftSpec(layers=layers, head_vocab=48), select_vocab(train_seqs, 48, VOCAB))
+    assert draft.config.sliding_layers == [i for i, j in enumerate(layers) if j in target.config.sliding_layers]
+    assert draft.config.no_rope_layers == [i for i, j in enumerate(layers) if j in target.config.no_rope_layers]
+    config = TrainConfig(steps=40, rows=4, row_len=64, lr=3e-3, warmup=5, eval_every=40, seed=0)
+    history = train(draft, train_seqs, heldout, config, log=lambda _: None)
+    assert history[-1]["kl"] < 0.6 * history[0]["kl"]
+    draft = draft.eval().requires_grad_(False)
+    greedy = [SamplingParams(temperature=0, max_tokens=NEW) for _ in range(8)]
+    assert tiny_outputs(sd_decoder(target, draft, 3), greedy) == tiny_outputs(ar_decoder(target), greedy)
+
+
+def test_layers_are_checked_before_any_teacher_text():
+    assert target_layers("0,-1", 30) == (0, 29) and target_layers("2,-3", 26) == (2, 23)
+    with pytest.raises(ValueError, match="the target has 26 layers .* names 29"):
+        target_layers("0,29", 26)

@@ -301,23 +301,25 @@ def test_int8_groups_round_each_weight_to_its_groups_nearest_step():
     assert int(groups.codes.abs().max()) == 127
 
 
+# Gemma's tiny models drift further in bf16: transformers' own bf16 runs of them are 1.5 to
+# 4.5% off fp32, and saguaro's torch layers 4.9% (gemma2) and 8.8% (gemma3), about what the
+# kernels give (4.4% and 10.7%); its controls land far beyond.
+TOLERANCE = {"gemma2": 0.1, "gemma3": 0.15}
+
+
 @pytest.mark.parametrize("case", ["smollm3", "control: smollm3 with rope on every layer", "phi3 longrope",
-                                  "control: phi3 longrope with rope on half its dimensions", "phi3", "gemma2",
-                                  "gemma3", "control: gemma2 on the kernels"])
-def test_each_architecture_runs_its_layers_where_they_are_implemented(case, tmp_path, monkeypatch):
-    """Partial rope, windows, Gemma's norms and soft caps: decoder_layer.c has none of them, so
-    such a model keeps its int4 projections but runs torch's layers; SmolLM3's layers without
-    rope it does have, and runs. Either way the model computes what the same file computes in fp32
-    (dequantized), to bf16's precision (transformers' own bf16 run of these tiny models is 1.5 to
-    4.5% off its fp32 one; int4 products add to it)."""
+                                  "control: phi3 longrope with rope on half its dimensions", "phi3",
+                                  "control: phi3 without its window", "gemma2", "control: gemma2 without soft caps",
+                                  "gemma3", "control: gemma3 without its norms' offset"])
+def test_each_architecture_runs_its_layers_on_the_kernels(case, tmp_path):
+    """Layers without rope (SmolLM3), partial rope and longrope (Phi-3 / Phi-4-mini), windows,
+    Gemma's norms, GeGLU, soft caps and local rope: decoder_layer.c runs them all, and the model
+    computes what the same file computes in fp32 (dequantized) to bf16's precision. Each
+    control takes one of these features from the kernels, which must show in the logits."""
     from test_gguf import CASES, TOKENS, saguaro_logits, source_model
 
     control = case.startswith("control")
-    if case == "control: gemma2 on the kernels":  # the kernels made to take the layers: the logits go wrong
-        case = "gemma2"
-        monkeypatch.setattr(ModelConfig, "llama_layers", property(lambda self: True))
-    elif control:
-        case = case.removeprefix("control: ").split(" with ")[0]
+    case = case.removeprefix("control: ").split(" with")[0]
     arch, name, _, keys = CASES[case]
     source = source_model(case)
     tensors = {}
@@ -328,20 +330,31 @@ def test_each_architecture_runs_its_layers_where_they_are_implemented(case, tmp_
             tensors[tensor_name] = (gguf.quants.quantize(array, kind), kind)
     path = write_gguf(tmp_path / "tiny.gguf", source, arch, name, keys, tensors)
     model = loader.load_model(path, torch.bfloat16)
-    assert (model.native_layers is not None) == (control or case in ("smollm3", "phi3 longrope"))
+    assert model.native_layers is not None
     assert all(isinstance(m, Int4Linear) for n, m in model.named_modules() if n.endswith("_proj"))
-    if control and case == "smollm3":  # the kernels told to rotate every layer's queries and keys
-        assert any(not layer.self_attn.rope for layer in model.layers)
-        for layer in model.layers:
-            layer.self_attn.rope = True
-        model.native_layers = native.NativeLayers(model)
-    if control and case == "phi3 longrope":  # the kernels told to turn half the dimensions they should
-        for weights in model.native_layers.weights:
-            weights.rotary_dim //= 2
-        model.native_layers.all_weights = (native.LayerWeights * len(model.layers))(*model.native_layers.weights)
+    if control:
+        weights = model.native_layers.weights
+        if case == "smollm3":  # the kernels told to rotate every layer's queries and keys
+            assert any(not w.rope for w in weights)
+            for w in weights:
+                w.rope = 1
+        elif case == "phi3 longrope":  # ... to turn half the dimensions they should
+            for w in weights:
+                w.rotary_dim //= 2
+        elif case == "phi3":  # ... that no layer has a window
+            assert all(w.sliding for w in weights)
+            for w in weights:
+                w.sliding = 0
+        elif case == "gemma2":  # ... that the scores have no soft cap
+            assert all(w.attn_softcap for w in weights)
+            for w in weights:
+                w.attn_softcap = 0.0
+        else:  # ... that the norms scale by their weights alone
+            for w in weights:
+                w.norm_offset = 0.0
+        model.native_layers.all_weights = (native.LayerWeights * len(weights))(*weights)
     reference = saguaro_logits(loader.load_model(path, torch.float32), TOKENS)
     # Rope in SmolLM3's one rope-less layer of four moves these tiny logits by about 5%: a
     # tighter bound tells the two apart (measured: 0.026 right, 0.051 with rope everywhere).
-    tolerance = 0.035 if case in ("smollm3", "phi3 longrope") else 0.15
     error = relative_error(saguaro_logits(model, TOKENS), reference)
-    assert (error < tolerance) != control, error
+    assert (error < TOLERANCE.get(case, 0.035)) != control, error

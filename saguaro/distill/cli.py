@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="an EAGLE-style draft: one layer (--layers names it) reading the target's hidden states")
     model.add_argument("--init-from", type=Path, default=None,
                        help="with --eagle: a trained standalone draft to start from (its layers, head and vocabulary)")
-    model.add_argument("--layers", default="0,29", help="target layers the draft's layers are copied from")
+    model.add_argument("--layers", default="0,-1", help="target layers the draft's layers are copied from, negative "
+                                                       "ones from the end (default: the first and the last)")
     model.add_argument("--head-vocab", type=int, default=8192, help="tokens the draft's head predicts")
     opt = parser.add_argument_group("training")
     opt.add_argument("--steps", type=int, default=TrainConfig.steps)
@@ -65,6 +66,10 @@ def run(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     path = hub.resolve(args.target)
     target = loader.load_model(path, torch.bfloat16)
+    try:  # before hours of teacher text
+        layers = draft_lib.target_layers(args.layers, target.config.num_layers)
+    except ValueError as e:
+        raise SystemExit(f"saguaro distill: {e}") from None
     tokenizer = loader.load_tokenizer(path)
     eos_ids = set(target.config.eos_token_ids) | {tokenizer.eos_token_id}
 
@@ -82,8 +87,7 @@ def run(args: argparse.Namespace) -> dict:
         sequences = [s for file in shards for s in teacher.load_shard(file)]
     train_seqs, heldout_seqs = split_heldout(sequences)
 
-    spec = draft_lib.DraftSpec(layers=tuple(int(i) for i in args.layers.split(",")), head_vocab=args.head_vocab,
-                               eagle=args.eagle)
+    spec = draft_lib.DraftSpec(layers=layers, head_vocab=args.head_vocab, eagle=args.eagle)
     if args.init_from:
         if not args.eagle:
             raise SystemExit("--init-from starts an EAGLE draft from a standalone one: add --eagle")

@@ -28,6 +28,18 @@ class DraftSpec:
     eagle: bool = False  # an EAGLE-style draft: one layer (layers[0]) reading target hidden states
 
 
+def target_layers(text: str, num_layers: int) -> tuple[int, ...]:
+    """--layers as the target's layer indices, negative ones counted from the end (-1: the last),
+    so that one default ("0,-1": the first and last layer) fits any target."""
+    named = [int(i) for i in text.split(",")]
+    resolved = tuple(i + num_layers if i < 0 else i for i in named)
+    outside = [i for i, r in zip(named, resolved) if not 0 <= r < num_layers]
+    if outside:
+        raise ValueError(f"the target has {num_layers} layers (0 to {num_layers - 1}, or -1 to -{num_layers}); "
+                         f"--layers names {', '.join(map(str, outside))}")
+    return resolved
+
+
 def select_vocab(sequences: Seq[Sequence], size: int, vocab_size: int, always: Seq[int] = ()) -> torch.Tensor:
     """The `size` token ids the teacher most often ranks first, plus `always` (e.g. EOS), sorted.
 

@@ -84,16 +84,10 @@ class ModelConfig:
     @property
     def llama_like(self) -> bool:
         """Whether every layer is a plain Llama/Qwen layer."""
-        return (self.llama_layers and not self.no_rope_layers and self.rotary_dim == self.head_dim
-                and self.rope_attention_factor == 1.0)
-
-    @property
-    def llama_layers(self) -> bool:
-        """Whether every layer is a Llama/Qwen layer, rope perhaps off in some (SmolLM3's), over
-        part of each head or scaled (Phi-3's): what saguaro's C decoder layer implements."""
         return (self.mlp_activation == "silu" and not self.norm_offset and self.embed_scale is None
                 and not self.post_norms and self.attn_scale is None and self.attn_softcap is None
-                and self.logit_softcap is None and not self.sliding_layers)
+                and self.logit_softcap is None and not self.sliding_layers and not self.no_rope_layers
+                and self.rotary_dim == self.head_dim and self.rope_attention_factor == 1.0)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":

@@ -276,17 +276,20 @@ class LlamaModel(nn.Module):
             cos, sin = cos * self.config.rope_attention_factor, sin * self.config.rope_attention_factor
         if not self.static_shapes:  # a captured pass reads its rows by index, as they are
             rows = as_slice(rows)
-        if self.native_layers is not None:
-            return self.native_layers.run(x, cos, sin, cache, rows, slots, mask, mask.shape[-1])  # norm included
+        local = None  # the sliding layers' (mask, cos, sin), cos and sin None where they turn as the others
+        if self.config.sliding_layers:
+            local = (window_mask(mask, self.config.sliding_window), None, None)
+            if self.inv_freq_local is not None:
+                freqs = positions[..., None].float() * self.inv_freq_local
+                local = (local[0], freqs.cos(), freqs.sin())
+        if self.native_layers is not None:  # the final norm included
+            return self.native_layers.run(x, cos, sin, cache, rows, slots, mask, mask.shape[-1], local)
         group = self.config.num_heads // self.config.num_kv_heads
         full = (cos[:, :, None], sin[:, :, None], gqa_mask(mask, group, self._dense(mask)))
-        local = full
-        if self.config.sliding_layers:
-            window = window_mask(mask, self.config.sliding_window)
-            local = (*full[:2], gqa_mask(window, group, self._dense(window)))
-            if self.inv_freq_local is not None:
-                freqs = positions[..., None, None].float() * self.inv_freq_local
-                local = (freqs.cos(), freqs.sin(), local[2])
+        if local is not None:
+            window, local_cos, local_sin = local
+            local = (full[0] if local_cos is None else local_cos[:, :, None],
+                     full[1] if local_sin is None else local_sin[:, :, None], gqa_mask(window, group, self._dense(window)))
         for layer in self.layers:
             cos, sin, attn_mask = local if layer.sliding else full
             x = layer(x, cos, sin, cache, rows, slots, attn_mask, mask.shape[-1])

@@ -8,8 +8,9 @@ its size. group_matmul.c reads both at their own density (Q4_1's 0.625 and Q8_0'
 weight) and multiplies as llama.cpp does: activations rounded to 8 bits per group of 32, integer
 dot products (AVX512-VNNI), fp32 sums. Each row is computed alone (batch-invariant).
 
-decoder_layer.c runs a whole decoder layer of such a model in one call: in Python a layer was
-~90 small torch operations, half of a decode step's time.
+decoder_layer.c runs a whole decoder layer of such a model in one call (every architecture
+LlamaModel runs: Gemma's norms, GeGLU and soft caps, sliding windows, partial or absent rope):
+in Python a layer was ~90 small torch operations, half of a decode step's time.
 
 It needs x86-64 with AVX512-VNNI and a C compiler (`$CC`, else `cc`) with OpenMP. Without them
 saguaro says so once and runs torch's kernels: the same weights, with bf16 activations. The
@@ -45,7 +46,10 @@ class LayerWeights(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + [
         ("eps", ctypes.c_float)] + [(name, ctypes.c_void_p) for name in (
             "input_norm", "post_norm", "q_norm", "k_norm", "qkv_bias", "qkv", "o", "gate_up", "down")] + [
-        (name, ctypes.c_int) for name in ("qkv_bits", "o_bits", "gate_up_bits", "down_bits", "rope", "rotary_dim")]
+        (name, ctypes.c_int) for name in ("qkv_bits", "o_bits", "gate_up_bits", "down_bits", "rope", "rotary_dim")] + [
+        ("norm_offset", ctypes.c_float), ("activation", ctypes.c_int), ("attn_out_norm", ctypes.c_void_p),
+        ("mlp_out_norm", ctypes.c_void_p), ("attn_scale", ctypes.c_float), ("attn_softcap", ctypes.c_float),
+        ("sliding", ctypes.c_int)]
 
 
 def _library_path() -> Path:
@@ -98,7 +102,8 @@ def library() -> ctypes.CDLL | None:
     lib.saguaro_decoder_layers.argtypes = [ctypes.POINTER(LayerWeights), ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.saguaro_decoder_layers.restype = ctypes.c_int
     return lib
 
@@ -275,11 +280,17 @@ class NativeLayers:
             attn, mlp = layer.self_attn, layer.mlp
             fields = dict(hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
                           head_dim=config.head_dim, intermediate=config.intermediate_size, eps=config.rms_norm_eps,
-                          rope=int(attn.rope), rotary_dim=config.rotary_dim)
+                          rope=int(attn.rope), rotary_dim=config.rotary_dim, norm_offset=config.norm_offset,
+                          activation=ACTIVATIONS[config.mlp_activation], attn_scale=config.attn_scale or 0.0,
+                          attn_softcap=config.attn_softcap or 0.0, sliding=int(layer.sliding))
             tensors = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
                        "q_norm": attn.q_norm.weight if attn.q_norm is not None else None,
                        "k_norm": attn.k_norm.weight if attn.k_norm is not None else None,
-                       "qkv_bias": attn.qkv_proj.bias}
+                       "qkv_bias": attn.qkv_proj.bias, "attn_out_norm": None, "mlp_out_norm": None}
+            if layer.pre_feedforward_layernorm is not None:  # Gemma: norms around the attention's and MLP's outputs
+                tensors |= {"post_norm": layer.pre_feedforward_layernorm.weight,
+                            "attn_out_norm": layer.post_attention_layernorm.weight,
+                            "mlp_out_norm": layer.post_feedforward_layernorm.weight}
             for name, projection in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                      ("down", mlp.down_proj)):
                 tensors[name] = projection.packed
@@ -294,9 +305,10 @@ class NativeLayers:
         self.final_norm = model.norm.weight.detach().contiguous()
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, rows, slots: torch.Tensor,
-            mask: torch.Tensor, span: int) -> torch.Tensor:
+            mask: torch.Tensor, span: int, local: tuple | None = None) -> torch.Tensor:
         """The layers and the final norm over x [B, T, hidden]; cos and sin [B, T, rotary_dim / 2],
-        the other arguments as LlamaModel.run_layers has them."""
+        the other arguments as LlamaModel.run_layers has them; local: the sliding layers' (window
+        mask, cos, sin), cos and sin None where they turn as the others do."""
         B, T, hidden = x.shape
         x = x.to(torch.bfloat16, copy=True).contiguous()
         if rows is None:
@@ -305,15 +317,19 @@ class NativeLayers:
             rows = torch.arange(rows.start, rows.stop)
         row_of = (rows if T == 1 else rows.repeat_interleave(T)).to(torch.int64).contiguous()
         slot_of = slots.to(torch.int64).reshape(-1).contiguous()
-        visible = None if bool(mask.all()) else mask.reshape(B * T, span).to(torch.uint8).contiguous()
+        visible = _visible(mask, B * T, span)
         cos, sin = cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()
+        window, cos_local, sin_local = local or (None, None, None)
+        window = None if window is None else _visible(window, B * T, span)
+        if cos_local is not None:
+            cos_local, sin_local = cos_local.reshape(B * T, -1).contiguous(), sin_local.reshape(B * T, -1).contiguous()
         if cache.keys.dtype != torch.bfloat16 or not cache.keys.is_contiguous():
             raise TypeError("saguaro's kernels take a contiguous bf16 KV cache")
         status = library().saguaro_decoder_layers(
             self.all_weights, len(self.weights), x.data_ptr(), B * T, cos.data_ptr(), sin.data_ptr(),
             cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys[0].numel(), cache.num_slots,
-            row_of.data_ptr(), slot_of.data_ptr(), None if visible is None else visible.data_ptr(), span,
-            self.final_norm.data_ptr(), torch.get_num_threads())
+            row_of.data_ptr(), slot_of.data_ptr(), _pointer(visible), span, self.final_norm.data_ptr(),
+            _pointer(cos_local), _pointer(sin_local), _pointer(window), torch.get_num_threads())
         if status == -1:
             raise MemoryError("saguaro_decoder_layer: out of memory")
         if status != 0:  # attach() admits only the head sizes the layer takes
@@ -321,13 +337,23 @@ class NativeLayers:
         return x
 
 
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # decoder_layer.c's activation codes
+
+
+def _visible(mask: torch.Tensor, rows: int, span: int) -> torch.Tensor | None:
+    """A [.., span] bool mask as the uint8 rows decoder_layer.c reads; None where all is visible."""
+    return None if bool(mask.all()) else mask.reshape(rows, span).to(torch.uint8).contiguous()
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
 def attach(model: torch.nn.Module) -> None:
     """Runs a bf16 CPU model's layers natively where every projection is held in saguaro's tiles."""
     model.native_layers = None
     head_dim = model.config.head_dim
     if not available() or model.dtype != torch.bfloat16 or model.device.type != "cpu" or head_dim % 16 or head_dim > 256:
-        return
-    if not model.config.llama_layers:  # decoder_layer.c implements Llama/Qwen layers (SmolLM3's, Phi-3's) only
         return
     for layer in model.layers:
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

@@ -32,6 +32,13 @@ typedef struct {
     int rope; /* 0: the layer's queries and keys take no positions (SmolLM3's every fourth layer) */
     int rotary_dim; /* rope turns a head's first rotary_dim dimensions (Phi-3's partial rope), cos and sin
                        holding rotary_dim / 2 values a token */
+    float norm_offset; /* every norm scales by (norm_offset + weight), in fp32 (Gemma's 1) */
+    int activation; /* the gate's: 0 silu, 1 gelu with tanh (Gemma's GeGLU) */
+    const uint16_t *attn_out_norm, *mlp_out_norm; /* Gemma's norms of the attention's and the MLP's outputs
+                                                     (post_norm then norms the MLP's input), or NULL */
+    float attn_scale; /* the scores' scale; 0: 1 / sqrt(head_dim) */
+    float attn_softcap; /* Gemma 2: scores -> cap tanh(scores / cap); 0: none */
+    int sliding; /* the layer attends through the window mask, with the local cos / sin where given */
 } LayerWeights;
 
 static inline float from_bf16(uint16_t v) {
@@ -80,15 +87,29 @@ TARGET static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* out = bf16(x * rsqrt(mean(x^2) + eps) * weight), in fp32 (as torch's fused rms_norm). */
-static void rms_norm(const uint16_t *x, const uint16_t *weight, int64_t dim, float eps, uint16_t *out) {
+/* x / (1 + e^-x) */
+TARGET static inline __m512 silu_ps(__m512 x) {
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+/* x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), with tanh(y) = 1 - 2 / (e^2y + 1) */
+TARGET static inline __m512 gelu_tanh_ps(__m512 x) {
+    const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(0.7978845608f),
+                                       _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
+    const __m512 tanh = _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f),
+                                      _mm512_add_ps(exp_ps(_mm512_add_ps(inner, inner)), _mm512_set1_ps(1.0f))));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.0f), tanh));
+}
+
+/* out = bf16(x * rsqrt(mean(x^2) + eps) * (offset + weight)), in fp32 (as torch's fused rms_norm). */
+static void rms_norm(const uint16_t *x, const uint16_t *weight, int64_t dim, float eps, float offset, uint16_t *out) {
     float squares = 0.0f;
     for (int64_t i = 0; i < dim; i++) {
         float v = from_bf16(x[i]);
         squares += v * v;
     }
     const float scale = 1.0f / sqrtf(squares / (float)dim + eps);
-    for (int64_t i = 0; i < dim; i++) out[i] = to_bf16(from_bf16(x[i]) * scale * from_bf16(weight[i]));
+    for (int64_t i = 0; i < dim; i++) out[i] = to_bf16(from_bf16(x[i]) * scale * (offset + from_bf16(weight[i])));
 }
 
 /* Rotate-half rope over a head's first `dims` dimensions, in fp32, rounded once. */
@@ -101,12 +122,13 @@ static void rope(uint16_t *head, const float *cos, const float *sin, int64_t dim
     }
 }
 
-/* softmax(q k^T / sqrt(D)) v for one query head over the visible slots of one cache row, in
- * fp32: products in 16-wide lanes, summed across lanes in a fixed order. head_dim % 16 == 0. */
+/* softmax(cap(q k^T scale)) v for one query head over the visible slots of one cache row, in
+ * fp32: products in 16-wide lanes, summed across lanes in a fixed order. head_dim % 16 == 0;
+ * scale 0: 1 / sqrt(head_dim); cap 0: no soft cap. */
 TARGET static void attend(const uint16_t *q, const uint16_t *keys, const uint16_t *values, int64_t head_dim,
-                          const uint8_t *mask, int64_t span, float *scores, uint16_t *out) {
+                          const uint8_t *mask, int64_t span, float scale, float cap, float *scores, uint16_t *out) {
     const int64_t lanes = head_dim / 16;
-    const float scale = 1.0f / sqrtf((float)head_dim);
+    if (scale == 0.0f) scale = 1.0f / sqrtf((float)head_dim);
     __m512 qv[MAX_HEAD_DIM / 16], acc[MAX_HEAD_DIM / 16];
     for (int64_t l = 0; l < lanes; l++) {
         qv[l] = load_bf16(q + 16 * l);
@@ -121,6 +143,7 @@ TARGET static void attend(const uint16_t *q, const uint16_t *keys, const uint16_
         __m512 dot = _mm512_mul_ps(qv[0], load_bf16(keys + j * head_dim));
         for (int64_t l = 1; l < lanes; l++) dot = _mm512_fmadd_ps(qv[l], load_bf16(keys + j * head_dim + 16 * l), dot);
         scores[j] = _mm512_reduce_add_ps(dot) * scale;
+        if (cap != 0.0f) scores[j] = cap * tanhf(scores[j] / cap);
         if (scores[j] > top) top = scores[j];
     }
     /* weights e^(s - top), 16 slots at a time; masked slots weigh exactly zero */
@@ -165,7 +188,8 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
     int status = -1;
     if (!normed || !qkv || !attn || !wide || !narrow || !scores) goto done;
 
-    for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->input_norm, hidden, w->eps, normed + t * hidden);
+    const float offset = w->norm_offset;
+    for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->input_norm, hidden, w->eps, offset, normed + t * hidden);
     if (saguaro_group_matmul(w->qkv_bits, w->qkv, normed, qkv, n, hidden, qkv_width, 0, threads)) goto done;
     for (int64_t t = 0; t < n; t++) {
         uint16_t *row = qkv + t * qkv_width;
@@ -174,7 +198,7 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
         for (int64_t h = 0; h < H + Hkv; h++) {
             uint16_t *head = row + h * D;
             const uint16_t *norm = h < H ? w->q_norm : w->k_norm;
-            if (norm) rms_norm(head, norm, D, w->eps, head);
+            if (norm) rms_norm(head, norm, D, w->eps, offset, head);
             if (w->rope) rope(head, cos + t * (w->rotary_dim / 2), sin + t * (w->rotary_dim / 2), w->rotary_dim);
         }
         for (int64_t h = 0; h < Hkv; h++) {
@@ -192,21 +216,25 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
         own_scores += (size_t)omp_get_thread_num() * (size_t)(span + 16);
 #endif
         attend(qkv + t * qkv_width + h * D, keys + base, values + base, D, mask ? mask + t * span : NULL, span,
-               own_scores, attn + t * H * D + h * D);
+               w->attn_scale, w->attn_softcap, own_scores, attn + t * H * D + h * D);
     }
     if (saguaro_group_matmul(w->o_bits, w->o, attn, narrow, n, H * D, hidden, 0, threads)) goto done;
+    if (w->attn_out_norm)
+        for (int64_t t = 0; t < n; t++) rms_norm(narrow + t * hidden, w->attn_out_norm, hidden, w->eps, offset, narrow + t * hidden);
     for (int64_t i = 0; i < n * hidden; i++) x[i] = to_bf16(from_bf16(x[i]) + from_bf16(narrow[i]));
 
-    for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->post_norm, hidden, w->eps, normed + t * hidden);
+    for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->post_norm, hidden, w->eps, offset, normed + t * hidden);
     if (saguaro_group_matmul(w->gate_up_bits, w->gate_up, normed, wide, n, hidden, 2 * inter, 0, threads)) goto done;
-    for (int64_t t = 0; t < n; t++)  /* bf16(bf16(silu(gate)) * up), as torch rounds it */
+    for (int64_t t = 0; t < n; t++)  /* bf16(bf16(act(gate)) * up), as torch rounds it */
         for (int64_t i = 0; i < inter; i += 16) {
             const __m512 gate = load_bf16(wide + t * 2 * inter + i), up = load_bf16(wide + t * 2 * inter + inter + i);
-            const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+            const __m512 act = w->activation ? gelu_tanh_ps(gate) : silu_ps(gate);
             _mm256_storeu_si256((__m256i *)(narrow + t * inter + i),
-                                _mm512_cvtepi32_epi16(round_bf16_bits(_mm512_mul_ps(round_bf16_ps(silu), up))));
+                                _mm512_cvtepi32_epi16(round_bf16_bits(_mm512_mul_ps(round_bf16_ps(act), up))));
         }
     if (saguaro_group_matmul(w->down_bits, w->down, narrow, normed, n, inter, hidden, 0, threads)) goto done;
+    if (w->mlp_out_norm)
+        for (int64_t t = 0; t < n; t++) rms_norm(normed + t * hidden, w->mlp_out_norm, hidden, w->eps, offset, normed + t * hidden);
     for (int64_t i = 0; i < n * hidden; i++) x[i] = to_bf16(from_bf16(x[i]) + from_bf16(normed[i]));
     status = 0;
 done:
@@ -219,20 +247,27 @@ done:
     return status;
 }
 
-/* Every layer of a model in one call, then the final norm (its weight final_norm, eps that of
- * the layers): layer i reads w[i] and its cache at keys / values + i * layer_elements. In
+/* Every layer of a model in one call, then the final norm (its weight final_norm, eps and offset
+ * those of the layers): layer i reads w[i] and its cache at keys / values + i * layer_elements; a
+ * sliding layer attends through window_mask (NULL: every slot) and turns by cos_local / sin_local
+ * where they are given (Gemma 3's own base for them), the others through mask, cos and sin. In
  * Python the final norm was seven small torch operations, each slow right after the layers have
  * streamed the weights through the caches. Returns saguaro_decoder_layer's status of the first
  * layer that fails. */
 TARGET int saguaro_decoder_layers(const LayerWeights *w, int64_t num_layers, uint16_t *x, int64_t n, const float *cos,
                                   const float *sin, uint16_t *keys, uint16_t *values, int64_t layer_elements,
                                   int64_t cache_slots, const int64_t *row_of, const int64_t *slot_of,
-                                  const uint8_t *mask, int64_t span, const uint16_t *final_norm, int threads) {
+                                  const uint8_t *mask, int64_t span, const uint16_t *final_norm,
+                                  const float *cos_local, const float *sin_local, const uint8_t *window_mask,
+                                  int threads) {
     for (int64_t i = 0; i < num_layers; i++) {
-        const int status = saguaro_decoder_layer(w + i, x, n, cos, sin, keys + i * layer_elements, values + i * layer_elements,
-                                                 cache_slots, row_of, slot_of, mask, span, threads);
+        const int sliding = w[i].sliding, local = sliding && cos_local;
+        const int status = saguaro_decoder_layer(w + i, x, n, local ? cos_local : cos, local ? sin_local : sin,
+                                                 keys + i * layer_elements, values + i * layer_elements, cache_slots,
+                                                 row_of, slot_of, sliding ? window_mask : mask, span, threads);
         if (status) return status;
     }
-    for (int64_t t = 0; t < n; t++) rms_norm(x + t * w->hidden, final_norm, w->hidden, w->eps, x + t * w->hidden);
+    for (int64_t t = 0; t < n; t++)
+        rms_norm(x + t * w->hidden, final_norm, w->hidden, w->eps, w->norm_offset, x + t * w->hidden);
     return 0;
 }
