@@ -395,7 +395,7 @@ def _cat(parts: list) -> torch.Tensor | GroupCodes | StackedCodes:
 
 
 def native_head(weight) -> bool:
-    """Codes of 5 to 8 bits, or bf16 where the CPU has its pair dots: a head saguaro's kernels
+    """Codes of 5 to 8 bits, or bf16 where the kernels take it: a head saguaro's kernels
     run with fp32 logits (a 4-bit head is dequantized)."""
     if isinstance(weight, torch.Tensor):
         return native.bf16_available()

@@ -338,5 +338,5 @@ def quantized_linear(weight: torch.Tensor | GroupCodes | FileBlocks | StackedCod
     if mode == "int4" and fits_int4(out_features, in_features):
         return Int4Linear(GroupInt4.from_float(weight), bias, dtype)
     if mode == "auto" and native.bf16_available() and native.fits(out_features, in_features):
-        return GroupLinear(weight, bias, dtype, out_dtype)  # bf16 weights on AVX512-BF16 pair dots
+        return GroupLinear(weight, bias, dtype, out_dtype)  # bf16 weights on the kernels (native.bf16_available)
     return None

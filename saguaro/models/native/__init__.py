@@ -6,14 +6,16 @@ int4 kernel reads a GGUF's 4-bit weights with bf16 scales and zeros, and no torc
 8-bit blocks, so a Q8_0 head (the tied embedding of most GGUF files) ran as a bf16 matrix twice
 its size. group_matmul.c reads both at their own density (Q4_1's 0.625 and Q8_0's 1.06 bytes a
 weight) and multiplies as llama.cpp does: activations rounded to 8 bits per group of 32, integer
-dot products (AVX512-VNNI), fp32 sums. Each row is computed alone (batch-invariant).
+dot products (AVX512-VNNI, or AVX2's byte pair products), fp32 sums. Each row is computed alone
+(batch-invariant).
 
 decoder_layer.c runs a whole decoder layer of such a model in one call (every architecture
 LlamaModel runs: Gemma's norms, GeGLU and soft caps, sliding windows, partial or absent rope):
 in Python a layer was ~90 small torch operations, half of a decode step's time.
 
-It needs x86-64 with AVX512-VNNI and a C compiler (`$CC`, else `cc`) with OpenMP. Without them
-saguaro says so once and runs torch's kernels: the same weights, with bf16 activations. The
+It needs x86-64 with AVX512-VNNI, or AVX2 with FMA (a second build of the same sources,
+`-DSAGUARO_AVX2`: group_matmul_avx2.h, decoder_layer_avx2.h), and a C compiler (`$CC`, else
+`cc`) with OpenMP. Without them saguaro says so once and runs torch's kernels: the same weights, with bf16 activations. The
 library is cached under saguaro's cache folder, keyed by the source and the compiler, so later
 starts load it in milliseconds. SAGUARO_NATIVE=0 turns it off.
 """
@@ -33,6 +35,9 @@ from typing import Callable
 import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("group_matmul.c", "decoder_layer.c", "repack.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("group_matmul_avx2.h", "decoder_layer_avx2.h")]
+# the builds tried in turn, the widest first: (name, compiler flags)
+BUILDS = (("avx512", ()), ("avx2", ("-DSAGUARO_AVX2",)))
 GROUP = 32  # inputs per group: the block of Q4_0 / Q4_1 / Q8_0 and the sub-block of Q4_K
 TILE_OUT = 16  # outputs per tile; a tile covers GROUP inputs
 
@@ -52,24 +57,35 @@ class LayerWeights(ctypes.Structure):
         ("sliding", ctypes.c_int)]
 
 
-def _library_path() -> Path:
+def _library_path(build: str, flags: tuple[str, ...]) -> Path:
     from saguaro.models.hub import cache_dir
 
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise NativeUnavailable(f"no C compiler ({compiler!r} not found; set $CC)")
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + compiler.encode()).hexdigest()[:16]
-    path = cache_dir() / "native" / f"saguaro-{key}.so"
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    key = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
+    path = cache_dir() / "native" / f"saguaro-{build}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
-            result = subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-fopenmp", *map(str, SOURCES), "-o", str(built),
-                                     "-lm"], capture_output=True, text=True)
+            result = subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-fopenmp", *flags, *map(str, SOURCES),
+                                     "-o", str(built), "-lm"], capture_output=True, text=True)
             if result.returncode != 0:
                 raise NativeUnavailable(f"{compiler} failed: {result.stderr.strip()[-500:]}")
             os.replace(built, path)  # atomic: a concurrent start sees the whole file or none
     return path
+
+
+def _supported_build() -> ctypes.CDLL:
+    """The widest build whose instructions this CPU has (each compiled the first time it is tried)."""
+    for build, flags in BUILDS:
+        lib = ctypes.CDLL(str(_library_path(build, flags)))
+        if lib.saguaro_cpu_supported():
+            lib.build = build
+            return lib
+    raise NativeUnavailable("this CPU has neither AVX512-VNNI nor AVX2 with FMA")
 
 
 @functools.cache
@@ -78,9 +94,7 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("SAGUARO_NATIVE", "1") == "0":
         return None
     try:
-        lib = ctypes.CDLL(str(_library_path()))
-        if not lib.saguaro_cpu_supported():
-            raise NativeUnavailable("this CPU lacks AVX512-VNNI")
+        lib = _supported_build()
     except (NativeUnavailable, OSError) as error:
         warnings.warn(f"saguaro's CPU kernels are off ({error}); quantized layers run torch's kernels, "
                       "and a Q8_0 head runs dequantized to bf16 (slower)", stacklevel=2)
@@ -110,6 +124,11 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def build() -> str | None:
+    """Which build of the kernels runs here: "avx512", "avx2", or None (torch's kernels)."""
+    return library().build if available() else None
 
 
 def bf16_available() -> bool:

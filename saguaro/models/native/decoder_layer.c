@@ -15,7 +15,6 @@
 #include <omp.h>
 #endif
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define MAX_HEAD_DIM 256
 
 int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *x, void *out, int64_t rows,
@@ -53,6 +52,32 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even; no NaNs ari
     memcpy(&bits, &f, 4);
     return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
+
+/* out = bf16(x * rsqrt(mean(x^2) + eps) * (offset + weight)), in fp32 (as torch's fused rms_norm). */
+static void rms_norm(const uint16_t *x, const uint16_t *weight, int64_t dim, float eps, float offset, uint16_t *out) {
+    float squares = 0.0f;
+    for (int64_t i = 0; i < dim; i++) {
+        float v = from_bf16(x[i]);
+        squares += v * v;
+    }
+    const float scale = 1.0f / sqrtf(squares / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) out[i] = to_bf16(from_bf16(x[i]) * scale * (offset + from_bf16(weight[i])));
+}
+
+/* Rotate-half rope over a head's first `dims` dimensions, in fp32, rounded once. */
+static void rope(uint16_t *head, const float *cos, const float *sin, int64_t dims) {
+    const int64_t half = dims / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = from_bf16(head[i]), b = from_bf16(head[i + half]);
+        head[i] = to_bf16(a * cos[i] - b * sin[i]);
+        head[i + half] = to_bf16(b * cos[i] + a * sin[i]);
+    }
+}
+
+#ifdef SAGUARO_AVX2
+#include "decoder_layer_avx2.h"
+#else
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 
 TARGET static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -101,27 +126,6 @@ TARGET static inline __m512 gelu_tanh_ps(__m512 x) {
     return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.0f), tanh));
 }
 
-/* out = bf16(x * rsqrt(mean(x^2) + eps) * (offset + weight)), in fp32 (as torch's fused rms_norm). */
-static void rms_norm(const uint16_t *x, const uint16_t *weight, int64_t dim, float eps, float offset, uint16_t *out) {
-    float squares = 0.0f;
-    for (int64_t i = 0; i < dim; i++) {
-        float v = from_bf16(x[i]);
-        squares += v * v;
-    }
-    const float scale = 1.0f / sqrtf(squares / (float)dim + eps);
-    for (int64_t i = 0; i < dim; i++) out[i] = to_bf16(from_bf16(x[i]) * scale * (offset + from_bf16(weight[i])));
-}
-
-/* Rotate-half rope over a head's first `dims` dimensions, in fp32, rounded once. */
-static void rope(uint16_t *head, const float *cos, const float *sin, int64_t dims) {
-    const int64_t half = dims / 2;
-    for (int64_t i = 0; i < half; i++) {
-        float a = from_bf16(head[i]), b = from_bf16(head[i + half]);
-        head[i] = to_bf16(a * cos[i] - b * sin[i]);
-        head[i + half] = to_bf16(b * cos[i] + a * sin[i]);
-    }
-}
-
 /* softmax(cap(q k^T scale)) v for one query head over the visible slots of one cache row, in
  * fp32: products in 16-wide lanes, summed across lanes in a fixed order. head_dim % 16 == 0;
  * scale 0: 1 / sqrt(head_dim); cap 0: no soft cap. */
@@ -168,6 +172,18 @@ TARGET static void attend(const uint16_t *q, const uint16_t *keys, const uint16_
         for (int i = 0; i < 16; i++) out[16 * l + i] = to_bf16(result[i]);
     }
 }
+
+/* out = bf16(bf16(act(gate)) * up), as torch rounds it: gate_up holds the gate's `inter` values,
+ * then up's; activation 0 silu, 1 gelu with tanh. */
+TARGET static void gated(const uint16_t *gate_up, int64_t inter, int activation, uint16_t *out) {
+    for (int64_t i = 0; i < inter; i += 16) {
+        const __m512 gate = load_bf16(gate_up + i), up = load_bf16(gate_up + inter + i);
+        const __m512 act = activation ? gelu_tanh_ps(gate) : silu_ps(gate);
+        _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(round_bf16_bits(_mm512_mul_ps(round_bf16_ps(act), up))));
+    }
+}
+
+#endif
 
 /* x [n, hidden] (bf16, updated in place) through one layer. keys / values: this layer's cache,
  * [cache_rows, kv_heads, cache_slots, head_dim]; token t is written at row_of[t], slot_of[t] and
@@ -225,13 +241,7 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
 
     for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->post_norm, hidden, w->eps, offset, normed + t * hidden);
     if (saguaro_group_matmul(w->gate_up_bits, w->gate_up, normed, wide, n, hidden, 2 * inter, 0, threads)) goto done;
-    for (int64_t t = 0; t < n; t++)  /* bf16(bf16(act(gate)) * up), as torch rounds it */
-        for (int64_t i = 0; i < inter; i += 16) {
-            const __m512 gate = load_bf16(wide + t * 2 * inter + i), up = load_bf16(wide + t * 2 * inter + inter + i);
-            const __m512 act = w->activation ? gelu_tanh_ps(gate) : silu_ps(gate);
-            _mm256_storeu_si256((__m256i *)(narrow + t * inter + i),
-                                _mm512_cvtepi32_epi16(round_bf16_bits(_mm512_mul_ps(round_bf16_ps(act), up))));
-        }
+    for (int64_t t = 0; t < n; t++) gated(wide + t * 2 * inter, inter, w->activation, narrow + t * inter);
     if (saguaro_group_matmul(w->down_bits, w->down, narrow, normed, n, inter, hidden, 0, threads)) goto done;
     if (w->mlp_out_norm)
         for (int64_t t = 0; t < n; t++) rms_norm(normed + t * hidden, w->mlp_out_norm, hidden, w->eps, offset, normed + t * hidden);

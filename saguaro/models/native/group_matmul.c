@@ -48,6 +48,14 @@
 #define HEADER_BYTES 64
 #define MAX_PARTS 3
 
+#ifdef SAGUARO_AVX2
+#define TARGET __attribute__((target("avx2,fma,f16c")))
+
+int saguaro_cpu_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#else
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
 int saguaro_cpu_supported(void) {
@@ -55,11 +63,24 @@ int saguaro_cpu_supported(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
+#endif
 
 int64_t saguaro_tile_bytes(int bits) {
     return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : bits == 8 ? 544 : bits == NL4 ? 288 : 1024;
 }
 
+/* One row's group of activations, rounded to 8 bits. */
+typedef struct {
+    int8_t q[GROUP];
+    float d;      /* the scale: x ~ d * q */
+    float d_qsum; /* d * sum(q), what the group's low multiplies */
+    int32_t qsum;
+    int32_t half_qsum[2]; /* sum(q) over inputs 0-15 and 16-31 */
+} QuantizedGroup;
+
+#ifdef SAGUARO_AVX2
+#include "group_matmul_avx2.h"
+#else
 int saguaro_bf16_supported(void) {
     __builtin_cpu_init();
     return saguaro_cpu_supported() && __builtin_cpu_supports("avx512bf16");
@@ -87,15 +108,6 @@ __attribute__((target("avx512f,avx512bf16"))) static void tile_column_bf16(
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(sums_out + r * TILE_OUT, acc[r]);
 }
-
-/* One row's group of activations, rounded to 8 bits. */
-typedef struct {
-    int8_t q[GROUP];
-    float d;      /* the scale: x ~ d * q */
-    float d_qsum; /* d * sum(q), what the group's low multiplies */
-    int32_t qsum;
-    int32_t half_qsum[2]; /* sum(q) over inputs 0-15 and 16-31 */
-} QuantizedGroup;
 
 TARGET static inline __m512 bf16_to_ps(__m256i v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
@@ -218,6 +230,14 @@ TARGET static inline __m256i ps_to_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
+/* A tile column's 16 sums for one row, into out (bf16 or fp32) at element `at`. */
+TARGET static inline void store_sums(const float *sums, void *out, int64_t at, int out_fp32) {
+    const __m512 v = _mm512_loadu_ps(sums);
+    if (out_fp32) _mm512_storeu_ps((float *)out + at, v);
+    else _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), ps_to_bf16(v));
+}
+#endif
+
 /* out[rows, out_features] = x[rows, in_features] @ w.T, out in bf16 or fp32. Returns 0, -1
  * where memory ran out, -2 for a header that does not describe out_features. */
 TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *x, void *out, int64_t rows,
@@ -265,12 +285,8 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
             else if (b == 4) { ROWS_OF(4) } else if (b == 5) { ROWS_OF(5) } else if (b == 6) { ROWS_OF(6) } else { ROWS_OF(8) }
 #undef ROWS_OF
 #undef CASE
-            for (int r = 0; r < R; r++) {
-                const __m512 v = _mm512_loadu_ps(result + r * TILE_OUT);
-                const int64_t at = (r0 + r) * out_features + column * TILE_OUT;
-                if (out_fp32) _mm512_storeu_ps((float *)out + at, v);
-                else _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), ps_to_bf16(v));
-            }
+            for (int r = 0; r < R; r++)
+                store_sums(result + r * TILE_OUT, out, (r0 + r) * out_features + column * TILE_OUT, out_fp32);
         }
     }
     free(xq);

@@ -1,0 +1,196 @@
+/* group_matmul.c's kernels for CPUs with AVX2 but not AVX512-VNNI (Zen 2 / 3, Intel's client
+ * cores since Alder Lake), on the same tiles: included by group_matmul.c when compiled with
+ * -DSAGUARO_AVX2.
+ *
+ * A 256-bit register holds half a tile's outputs, so each column is passed over twice, outputs
+ * 0-7 then 8-15 (the second pass reads the column from L2). vpdpbusd becomes vpmaddubsw (u8 x
+ * s8 pairs summed to int16) and vpmaddwd with ones: exact while a pair's sum fits in int16,
+ * which holds for codes below 64 (2 x 63 x 127 < 32768). 8-bit and IQ4 codes do not fit, so
+ * they multiply as signed codes by the sign trick: |code| x (q with code's sign), at most
+ * 2 x 128 x 127. Every integer sum is exact and every fp32 operation is the one the AVX512
+ * kernel does per lane, in the same order: the two builds agree bit for bit on 4- to 8-bit
+ * and IQ4 tiles.
+ */
+
+int saguaro_bf16_supported(void) { return saguaro_cpu_supported(); }
+
+/* R rows of bf16 activations against one column of 16-bit tiles: fp32 sums, input by input in
+ * order (pairs widened to fp32: no bf16 pair dot on these CPUs). */
+TARGET static void tile_column_bf16(int R, const uint8_t *tiles, const uint16_t *x, int64_t in_features,
+                                    float *sums_out) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[MAX_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < in_features / GROUP; g++) {
+            const uint8_t *tile = tiles + g * 1024;
+            for (int line = 0; line < 1024; line += 64)
+                _mm_prefetch((const char *)tile + 4 * 1024 + line, _MM_HINT_T0);
+            for (int k = 0; k < 16; k++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(tile + 64 * k + 32 * h));
+                const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+                for (int r = 0; r < R; r++) {
+                    const uint16_t *pair = x + r * in_features + g * GROUP + 2 * k;
+                    const uint32_t a = (uint32_t)pair[0] << 16, b = (uint32_t)pair[1] << 16;
+                    float fa, fb;
+                    memcpy(&fa, &a, 4);
+                    memcpy(&fb, &b, 4);
+                    acc[r] = _mm256_fmadd_ps(even, _mm256_set1_ps(fa), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(odd, _mm256_set1_ps(fb), acc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(sums_out + r * TILE_OUT + 8 * h, acc[r]);
+    }
+}
+
+TARGET static inline __m256 bf16_to_ps(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* As the AVX512 kernel: d = max|x| / 127, q = round-to-even(x * 127 / max|x|). */
+TARGET static void quantize_row(const uint16_t *x, int64_t groups, QuantizedGroup *out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = bf16_to_ps(x + g * GROUP + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        float lanes[8], top = 0.0f;
+        _mm256_storeu_ps(lanes, amax);
+        for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+        const float d = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+        int32_t q[GROUP];
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_si256((__m256i *)(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse))));
+        out[g].half_qsum[0] = out[g].half_qsum[1] = 0;
+        for (int i = 0; i < GROUP; i++) {
+            out[g].q[i] = (int8_t)q[i];
+            out[g].half_qsum[i >= 16] += q[i];
+        }
+        out[g].qsum = out[g].half_qsum[0] + out[g].half_qsum[1];
+        out[g].d = d;
+        out[g].d_qsum = d * (float)out[g].qsum;
+    }
+}
+
+TARGET static inline __m256 halves(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+TARGET static inline __m256i quad_of(const int8_t *q) {
+    int32_t v;
+    memcpy(&v, q, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* sum += unsigned codes (< 64) x signed q, four at a time into int32 lanes */
+TARGET static inline __m256i dot_unsigned(__m256i sum, __m256i codes, __m256i q) {
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1)));
+}
+
+/* sum += signed codes x signed q (the sign trick) */
+TARGET static inline __m256i dot_signed(__m256i sum, __m256i codes, __m256i q) {
+    return dot_unsigned(sum, _mm256_abs_epi8(codes), _mm256_sign_epi8(q, codes));
+}
+
+/* R rows of quantized activations against one column of tiles (16 outputs): fp32 sums. */
+TARGET static inline __attribute__((always_inline)) void tile_column(
+        int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t groups, float *sums_out) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const int64_t tile_bytes = saguaro_tile_bytes(bits);
+    for (int h = 0; h < 2; h++) { /* outputs 8h .. 8h + 7: bytes 32h .. 32h + 31 of each chunk */
+        __m256 acc[MAX_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *tile = tiles + g * tile_bytes;
+            if (h == 0)
+                for (int64_t line = 0; line < tile_bytes; line += 64)
+                    _mm_prefetch((const char *)tile + PREFETCH_TILES * tile_bytes + line, _MM_HINT_T0);
+            const int second_chain = bits == 6 || R <= 4;
+            __m256i dots[MAX_ROWS][2];
+            for (int r = 0; r < R; r++) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
+            if (bits == 4 || bits == 5 || bits == 6 || bits == NL4) {
+                for (int u = 0; u < 4; u++) {
+                    __m256i w = _mm256_loadu_si256((const __m256i *)(tile + 64 * u + 32 * h));
+                    __m256i first = _mm256_and_si256(w, nibble);
+                    __m256i second = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+                    if (bits == NL4) { /* codes -> kIQ4, signed */
+                        const __m256i table = _mm256_broadcastsi128_si256(_mm_setr_epi8(
+                            -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+                        first = _mm256_shuffle_epi8(table, first);
+                        second = _mm256_shuffle_epi8(table, second);
+                    }
+                    if (bits == 5) {
+                        const __m256i one = _mm256_set1_epi8(0x01);
+                        __m256i top = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(tile + 256 + 32 * h)), 2 * u);
+                        first = _mm256_or_si256(first, _mm256_slli_epi16(_mm256_and_si256(top, one), 4));
+                        second = _mm256_or_si256(second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 1), one), 4));
+                    }
+                    if (bits == 6) {
+                        const __m256i two = _mm256_set1_epi8(0x03);
+                        __m256i top = _mm256_loadu_si256((const __m256i *)(tile + 256 + 64 * (u >> 1) + 32 * h));
+                        top = _mm256_srli_epi16(top, 4 * (u & 1));
+                        first = _mm256_or_si256(first, _mm256_slli_epi16(_mm256_and_si256(top, two), 4));
+                        second = _mm256_or_si256(second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2), two), 4));
+                    }
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *q = xq[r * groups + g].q;
+                        if (bits == NL4) {
+                            dots[r][0] = dot_signed(dots[r][0], first, quad_of(q + 4 * u));
+                            dots[r][second_chain] = dot_signed(dots[r][second_chain], second, quad_of(q + 16 + 4 * u));
+                        } else {
+                            dots[r][0] = dot_unsigned(dots[r][0], first, quad_of(q + 4 * u));
+                            dots[r][second_chain] = dot_unsigned(dots[r][second_chain], second, quad_of(q + 16 + 4 * u));
+                        }
+                    }
+                }
+            } else {
+                const __m256i offset = _mm256_set1_epi8((char)0x80);
+                for (int k = 0; k < 8; k++) { /* code + 128 -> code */
+                    __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tile + 64 * k + 32 * h)), offset);
+                    for (int r = 0; r < R; r++)
+                        dots[r][k & second_chain] = dot_signed(dots[r][k & second_chain], w,
+                                                               quad_of(xq[r * groups + g].q + 4 * k));
+                }
+            }
+            if (bits == 6) {
+                const __m256i scale0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 384 + 8 * h)));
+                const __m256i scale1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 400 + 8 * h)));
+                const __m256 d = halves(tile + 416 + 16 * h);
+                for (int r = 0; r < R; r++) {
+                    const QuantizedGroup *x = xq + r * groups + g;
+                    __m256i first = _mm256_sub_epi32(dots[r][0], _mm256_set1_epi32(32 * x->half_qsum[0]));
+                    __m256i second = _mm256_sub_epi32(dots[r][1], _mm256_set1_epi32(32 * x->half_qsum[1]));
+                    __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(first, scale0), _mm256_mullo_epi32(second, scale1));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[r]);
+                }
+                continue;
+            }
+            const uint8_t *params = tile + (bits == 4 || bits == NL4 ? 256 : bits == 5 ? 320 : 512) + 16 * h;
+            const __m256 scale = halves(params);
+            for (int r = 0; r < R; r++) {
+                const QuantizedGroup *x = xq + r * groups + g;
+                __m256i dot = second_chain ? _mm256_add_epi32(dots[r][0], dots[r][1]) : dots[r][0];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(x->d)), acc[r]);
+                if (bits == 4 || bits == 5) acc[r] = _mm256_fmadd_ps(halves(params + 32), _mm256_set1_ps(x->d_qsum), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(sums_out + r * TILE_OUT + 8 * h, acc[r]);
+    }
+}
+
+/* A tile column's 16 sums for one row, into out (bf16, rounded to nearest even, or fp32). */
+static inline void store_sums(const float *sums, void *out, int64_t at, int out_fp32) {
+    if (out_fp32) {
+        memcpy((float *)out + at, sums, sizeof(float) * TILE_OUT);
+        return;
+    }
+    for (int i = 0; i < TILE_OUT; i++) {
+        uint32_t bits;
+        memcpy(&bits, sums + i, 4);
+        ((uint16_t *)out)[at + i] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    }
+}
