@@ -14,7 +14,6 @@ import torch
 import transformers
 
 from saguaro.models import loader, native
-from saguaro.models.config import ModelConfig
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.quantized import (GROUP, GroupInt4, GroupInt6, GroupInt8, GroupLinear, Int4Linear, StackedCodes,
                                       native_tiles)
