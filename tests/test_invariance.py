@@ -84,10 +84,12 @@ def torch_products_change_below(rows: int) -> bool:
 
 
 @pytest.mark.parametrize("mode", MODES, ids=str)
-def test_logits_do_not_depend_on_what_shares_the_pass(models, prompts, mode, request):
+def test_logits_do_not_depend_on_what_shares_the_pass(models, prompts, mode):
     if mode[1] != "auto" and torch_products_change_below(CHUNK * (OTHER_ROWS + 1)):
-        request.applymarker(pytest.mark.xfail(reason="this CPU's torch products change rounding with the row "
-                                                     "count below the blocks invariant.py assumes", strict=False))
+        # Known to fail here, and a test that may fail is no test: skipped, not run as an
+        # expected failure (on a CPU without avx512_bf16 these runs took minutes).
+        pytest.skip("this CPU's torch products change rounding with the row count below the blocks "
+                    "invariant.py assumes")
     model = models[mode]
     model.set_batch_invariant(True)
     assert positions_that_differ(model, prompts) == 0
