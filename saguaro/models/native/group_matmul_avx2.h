@@ -3,12 +3,12 @@
  * -DSAGUARO_AVX2.
  *
  * A 256-bit register holds half a tile's outputs: each group's tile is computed as two halves,
- * outputs 0-7 then 8-15, one after the other while the next tiles stream in (two passes over a
- * column, the second from L2, made 1 row 20% slower and 6 rows no faster). vpdpbusd becomes vpmaddubsw (u8 x
- * s8 pairs summed to int16) and vpmaddwd with ones: exact while a pair's sum fits in int16,
- * which holds for codes below 64 (2 x 63 x 127 < 32768). 8-bit and IQ4 codes do not fit, so
- * they multiply as signed codes by the sign trick: |code| x (q with code's sign), at most
- * 2 x 128 x 127. Every integer sum is exact and every fp32 operation is the one the AVX512
+ * outputs 0-7 and 8-15, side by side while the next tiles stream in (two passes over a column,
+ * the second from L2, made one row 20% slower and six no faster). vpdpbusd becomes vpmaddubsw
+ * (u8 x s8 pairs summed to int16) and vpmaddwd with ones: exact while a pair's sum fits in
+ * int16, which holds for codes below 64 (2 x 63 x 127 < 32768). 8-bit and IQ4 codes do not
+ * fit, so they multiply as signed codes by the sign trick: |code| x (q with code's sign), at
+ * most 2 x 128 x 127. Every integer sum is exact and every fp32 operation is the one the AVX512
  * kernel does per lane, in the same order: the two builds agree bit for bit on 4- to 8-bit
  * and IQ4 tiles.
  */
@@ -97,10 +97,42 @@ TARGET static inline __m256i dot_signed(__m256i sum, __m256i codes, __m256i q) {
     return dot_unsigned(sum, _mm256_abs_epi8(codes), _mm256_sign_epi8(q, codes));
 }
 
-/* R rows of quantized activations against one column of tiles (16 outputs): fp32 sums. */
+/* A chunk's codes for one half of the tile (outputs 8h .. 8h + 7): the first 16 inputs' and the
+ * last 16's, widened to bytes as the kind's dots take them (IQ4: its table values, signed). */
+TARGET static inline __attribute__((always_inline)) void codes_of(int bits, const uint8_t *tile, int u, int h,
+                                                                  __m256i *first, __m256i *second) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(tile + 64 * u + 32 * h));
+    *first = _mm256_and_si256(w, nibble);
+    *second = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+    if (bits == NL4) {
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_setr_epi8(
+            -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+        *first = _mm256_shuffle_epi8(table, *first);
+        *second = _mm256_shuffle_epi8(table, *second);
+    }
+    if (bits == 5) {
+        const __m256i one = _mm256_set1_epi8(0x01);
+        const __m256i top = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(tile + 256 + 32 * h)), 2 * u);
+        *first = _mm256_or_si256(*first, _mm256_slli_epi16(_mm256_and_si256(top, one), 4));
+        *second = _mm256_or_si256(*second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 1), one), 4));
+    }
+    if (bits == 6) {
+        const __m256i two = _mm256_set1_epi8(0x03);
+        const __m256i top = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(tile + 256 + 64 * (u >> 1) + 32 * h)),
+                                              4 * (u & 1));
+        *first = _mm256_or_si256(*first, _mm256_slli_epi16(_mm256_and_si256(top, two), 4));
+        *second = _mm256_or_si256(*second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2), two), 4));
+    }
+}
+
+/* R rows of quantized activations against one column of tiles (16 outputs): fp32 sums. Each
+ * chunk's codes are widened once for both halves, and each row's activations broadcast once
+ * for both. 4- and 5-bit codes add a chunk's two byte pair products in int16 (at most 2 x 2 x
+ * 31 x 127 < 32768) before widening them: one vpmaddwd where there were two. */
 TARGET static inline __attribute__((always_inline)) void tile_column(
         int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t groups, float *sums_out) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
     __m256 acc[MAX_ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -108,63 +140,54 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         const uint8_t *tile = tiles + g * tile_bytes;
         for (int64_t line = 0; line < tile_bytes; line += 64)
             _mm_prefetch((const char *)tile + PREFETCH_TILES * tile_bytes + line, _MM_HINT_T0);
-        for (int h = 0; h < 2; h++) { /* outputs 8h .. 8h + 7: bytes 32h .. 32h + 31 of each chunk */
-            const int second_chain = bits == 6 || R <= 4;
-            __m256i dots[MAX_ROWS][2];
-            for (int r = 0; r < R; r++) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
-            if (bits == 4 || bits == 5 || bits == 6 || bits == NL4) {
-                for (int u = 0; u < 4; u++) {
-                    __m256i w = _mm256_loadu_si256((const __m256i *)(tile + 64 * u + 32 * h));
-                    __m256i first = _mm256_and_si256(w, nibble);
-                    __m256i second = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-                    if (bits == NL4) { /* codes -> kIQ4, signed */
-                        const __m256i table = _mm256_broadcastsi128_si256(_mm_setr_epi8(
-                            -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
-                        first = _mm256_shuffle_epi8(table, first);
-                        second = _mm256_shuffle_epi8(table, second);
-                    }
-                    if (bits == 5) {
-                        const __m256i one = _mm256_set1_epi8(0x01);
-                        __m256i top = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(tile + 256 + 32 * h)), 2 * u);
-                        first = _mm256_or_si256(first, _mm256_slli_epi16(_mm256_and_si256(top, one), 4));
-                        second = _mm256_or_si256(second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 1), one), 4));
-                    }
-                    if (bits == 6) {
-                        const __m256i two = _mm256_set1_epi8(0x03);
-                        __m256i top = _mm256_loadu_si256((const __m256i *)(tile + 256 + 64 * (u >> 1) + 32 * h));
-                        top = _mm256_srli_epi16(top, 4 * (u & 1));
-                        first = _mm256_or_si256(first, _mm256_slli_epi16(_mm256_and_si256(top, two), 4));
-                        second = _mm256_or_si256(second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2), two), 4));
-                    }
-                    for (int r = 0; r < R; r++) {
-                        const int8_t *q = xq[r * groups + g].q;
+        /* per row and half: one int32 sum; 6-bit codes keep their two 16-input halves apart */
+        __m256i dots[MAX_ROWS][2][2];
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++) dots[r][h][0] = dots[r][h][1] = _mm256_setzero_si256();
+        if (bits == 4 || bits == 5 || bits == 6 || bits == NL4) {
+            for (int u = 0; u < 4; u++) {
+                __m256i first[2], second[2];
+                for (int h = 0; h < 2; h++) codes_of(bits, tile, u, h, first + h, second + h);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *q = xq[r * groups + g].q;
+                    const __m256i qa = quad_of(q + 4 * u), qb = quad_of(q + 16 + 4 * u);
+                    for (int h = 0; h < 2; h++) {
                         if (bits == NL4) {
-                            dots[r][0] = dot_signed(dots[r][0], first, quad_of(q + 4 * u));
-                            dots[r][second_chain] = dot_signed(dots[r][second_chain], second, quad_of(q + 16 + 4 * u));
+                            dots[r][h][0] = dot_signed(dots[r][h][0], first[h], qa);
+                            dots[r][h][0] = dot_signed(dots[r][h][0], second[h], qb);
+                        } else if (bits == 6) {
+                            dots[r][h][0] = dot_unsigned(dots[r][h][0], first[h], qa);
+                            dots[r][h][1] = dot_unsigned(dots[r][h][1], second[h], qb);
                         } else {
-                            dots[r][0] = dot_unsigned(dots[r][0], first, quad_of(q + 4 * u));
-                            dots[r][second_chain] = dot_unsigned(dots[r][second_chain], second, quad_of(q + 16 + 4 * u));
+                            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(first[h], qa),
+                                                                   _mm256_maddubs_epi16(second[h], qb));
+                            dots[r][h][0] = _mm256_add_epi32(dots[r][h][0], _mm256_madd_epi16(pairs, ones));
                         }
                     }
                 }
-            } else {
-                const __m256i offset = _mm256_set1_epi8((char)0x80);
-                for (int k = 0; k < 8; k++) { /* code + 128 -> code */
-                    __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tile + 64 * k + 32 * h)), offset);
-                    for (int r = 0; r < R; r++)
-                        dots[r][k & second_chain] = dot_signed(dots[r][k & second_chain], w,
-                                                               quad_of(xq[r * groups + g].q + 4 * k));
+            }
+        } else {
+            const __m256i offset = _mm256_set1_epi8((char)0x80);
+            for (int k = 0; k < 8; k++) { /* code + 128 -> code */
+                __m256i w[2];
+                for (int h = 0; h < 2; h++)
+                    w[h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tile + 64 * k + 32 * h)), offset);
+                for (int r = 0; r < R; r++) {
+                    const __m256i qk = quad_of(xq[r * groups + g].q + 4 * k);
+                    for (int h = 0; h < 2; h++) dots[r][h][0] = dot_signed(dots[r][h][0], w[h], qk);
                 }
             }
+        }
+        for (int h = 0; h < 2; h++) {
             if (bits == 6) {
                 const __m256i scale0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 384 + 8 * h)));
                 const __m256i scale1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 400 + 8 * h)));
                 const __m256 d = halves(tile + 416 + 16 * h);
                 for (int r = 0; r < R; r++) {
                     const QuantizedGroup *x = xq + r * groups + g;
-                    __m256i first = _mm256_sub_epi32(dots[r][0], _mm256_set1_epi32(32 * x->half_qsum[0]));
-                    __m256i second = _mm256_sub_epi32(dots[r][1], _mm256_set1_epi32(32 * x->half_qsum[1]));
-                    __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(first, scale0), _mm256_mullo_epi32(second, scale1));
+                    const __m256i first = _mm256_sub_epi32(dots[r][h][0], _mm256_set1_epi32(32 * x->half_qsum[0]));
+                    const __m256i second = _mm256_sub_epi32(dots[r][h][1], _mm256_set1_epi32(32 * x->half_qsum[1]));
+                    const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(first, scale0), _mm256_mullo_epi32(second, scale1));
                     acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[r][h]);
                 }
                 continue;
@@ -173,9 +196,9 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             const __m256 scale = halves(params);
             for (int r = 0; r < R; r++) {
                 const QuantizedGroup *x = xq + r * groups + g;
-                __m256i dot = second_chain ? _mm256_add_epi32(dots[r][0], dots[r][1]) : dots[r][0];
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(x->d)), acc[r][h]);
-                if (bits == 4 || bits == 5) acc[r][h] = _mm256_fmadd_ps(halves(params + 32), _mm256_set1_ps(x->d_qsum), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h][0]), _mm256_mul_ps(scale, _mm256_set1_ps(x->d)), acc[r][h]);
+                if (bits == 4 || bits == 5)
+                    acc[r][h] = _mm256_fmadd_ps(halves(params + 32), _mm256_set1_ps(x->d_qsum), acc[r][h]);
             }
         }
     }
