@@ -61,9 +61,10 @@ def chunked_in_a_batch(model, prompt: list[int], tokens: list[int], others: list
     return torch.cat(logits)
 
 
-def positions_that_differ(model, prompts: list[list[int]]) -> int:
+def positions_that_differ(model, prompts: list[list[int]], count: int = 2) -> int:
+    """How many of the first `count` prompts' positions get other logits chunked in a batch."""
     differ = 0
-    for prompt in prompts[:2]:
+    for prompt in prompts[:count]:
         tokens, step_logits = greedy_steps(model, prompt)
         others = [p[:len(p) - i] for i, p in enumerate(prompts[2:2 + OTHER_ROWS])]
         batch_logits = chunked_in_a_batch(model, prompt, tokens, others)
@@ -114,7 +115,7 @@ def test_control_library_kernels_round_by_shape(models, prompts):
     model = models[torch.bfloat16, "none"]
     model.set_batch_invariant(False)
     try:
-        assert positions_that_differ(model, prompts) > 0
+        assert positions_that_differ(model, prompts, count=1) > 0  # one prompt is plenty (and bf16 slow on some CPUs)
     finally:
         model.set_batch_invariant(True)
 
