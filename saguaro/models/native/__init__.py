@@ -34,8 +34,8 @@ from typing import Callable
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("group_matmul.c", "decoder_layer.c", "repack.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("group_matmul_avx2.h", "decoder_layer_avx2.h")]
+SOURCES = ("group_matmul.c", "decoder_layer.c", "repack.c")
+HEADERS = ("group_matmul_avx2.h", "decoder_layer_avx2.h")
 # the builds tried in turn, the widest first: (name, compiler flags)
 BUILDS = (("avx512", ()), ("avx2", ("-DSAGUARO_AVX2",)))
 GROUP = 32  # inputs per group: the block of Q4_0 / Q4_1 / Q8_0 and the sub-block of Q4_K
@@ -57,20 +57,22 @@ class LayerWeights(ctypes.Structure):
         ("sliding", ctypes.c_int)]
 
 
-def _library_path(build: str, flags: tuple[str, ...]) -> Path:
+def library_path(build: str, flags: tuple[str, ...], folder: Path = Path(__file__).parent) -> Path:
+    """The build compiled from the sources in folder (benchmarks/tile_rows.py compares other folders')."""
     from saguaro.models.hub import cache_dir
 
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise NativeUnavailable(f"no C compiler ({compiler!r} not found; set $CC)")
-    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    sources = [folder / name for name in SOURCES]
+    source = b"".join(path.read_bytes() for path in sources + [folder / name for name in HEADERS])
     key = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
     path = cache_dir() / "native" / f"saguaro-{build}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
-            result = subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-fopenmp", *flags, *map(str, SOURCES),
+            result = subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-fopenmp", *flags, *map(str, sources),
                                      "-o", str(built), "-lm"], capture_output=True, text=True)
             if result.returncode != 0:
                 raise NativeUnavailable(f"{compiler} failed: {result.stderr.strip()[-500:]}")
@@ -81,7 +83,7 @@ def _library_path(build: str, flags: tuple[str, ...]) -> Path:
 def _supported_build() -> ctypes.CDLL:
     """The widest build whose instructions this CPU has (each compiled the first time it is tried)."""
     for build, flags in BUILDS:
-        lib = ctypes.CDLL(str(_library_path(build, flags)))
+        lib = ctypes.CDLL(str(library_path(build, flags)))
         if lib.saguaro_cpu_supported():
             lib.build = build
             return lib

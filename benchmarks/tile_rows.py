@@ -1,0 +1,87 @@
+"""GB/s of weights that one of saguaro's products reads, by rows of activations: what a
+verification of K + 1 tokens costs against a one-token step (a pass over R rows at the same
+GB/s as one row costs the same). Optionally against the kernels of another source folder (an
+older checkout's saguaro/models/native), the two builds taking turns in one process.
+
+The product is 8192 x 3072 (SmolLM3-3B's and Phi-4-mini's MLP widths), its tiles copied until
+they fill --megabytes and cycled, so that they come from memory as in a decode step. Codes
+are random; scales are 1.0 (fp16), so no denormals or NaNs slow the arithmetic.
+
+    python benchmarks/tile_rows.py --bits 4,8 --rows 1,2,4,6,8 --threads 1
+    python benchmarks/tile_rows.py --against ../old/saguaro/models/native
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from saguaro.models import native
+
+WIDTHS = {"4": 4, "5": 5, "6": 6, "8": 8, "iq4": 104}
+# where each tile kind keeps its fp16 (or, for 6-bit, int8 and fp16) parameters
+PARAMS = {4: (256, 320), 5: (320, 384), 6: (416, 448), 8: (512, 544), 104: (256, 288)}
+
+
+def load(folder: Path) -> ctypes.CDLL:
+    build, flags = next((name, flags) for name, flags in native.BUILDS if name == native.build())
+    lib = ctypes.CDLL(str(native.library_path(build, flags, folder)))
+    lib.saguaro_group_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def random_tiles(bits: int, out_features: int, in_features: int) -> torch.Tensor:
+    tile_bytes = native.library().saguaro_tile_bytes(bits)
+    tiles = torch.randint(0, 256, (out_features // 16, in_features // 32, tile_bytes), dtype=torch.uint8)
+    start, end = PARAMS[bits]
+    if bits == 6:  # int8 scales of the half groups, then fp16 d
+        tiles[..., 384:416] = 1
+    tiles[..., start:end] = torch.full(((end - start) // 2,), 1.0, dtype=torch.float16).view(torch.uint8)
+    return tiles
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bits", default="4,8", help=f"tile kinds, of {','.join(WIDTHS)}")
+    parser.add_argument("--rows", default="1,2,4,6,8")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--megabytes", type=int, default=600)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--against", type=Path, help="another folder of the kernels' sources to compare")
+    args = parser.parse_args()
+    if native.build() is None:
+        raise SystemExit("saguaro's kernels do not run on this machine")
+    libraries = {"this": load(Path(native.__file__).parent)}
+    if args.against:
+        libraries["against"] = load(args.against.resolve())
+    out_features, in_features = 8192, 3072
+    print(f"build {native.build()}, {args.threads} thread(s); GB/s of tiles read, medians of {args.repeats}")
+    print("| tiles | rows | " + " | ".join(libraries) + " |")
+    print("|---|---|" + "---|" * len(libraries))
+    for name in args.bits.split(","):
+        bits = WIDTHS[name]
+        tiles = random_tiles(bits, out_features, in_features)
+        copies = [tiles.clone() for _ in range(max(1, args.megabytes * 2**20 // tiles.numel()))]
+        for rows in map(int, args.rows.split(",")):
+            x = torch.randn(rows, in_features).to(torch.bfloat16)
+            out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+            seconds: dict[str, list[float]] = {label: [] for label in libraries}
+            for _ in range(args.repeats):
+                for label, lib in libraries.items():  # taking turns
+                    start = time.perf_counter()
+                    for copy in copies:
+                        lib.saguaro_group_matmul(bits, copy.data_ptr(), x.data_ptr(), out.data_ptr(), rows,
+                                                 in_features, out_features, 0, args.threads)
+                    seconds[label].append(time.perf_counter() - start)
+            gigabytes = len(copies) * tiles.numel() / 1e9
+            rates = [f"{gigabytes / statistics.median(seconds[label]):.1f}" for label in libraries]
+            print(f"| {name} | {rows} | " + " | ".join(rates) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
