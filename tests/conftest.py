@@ -9,6 +9,8 @@ import torch
 
 # method="auto" would start from, and leave, a profile in the user's cache: each test starts fresh.
 os.environ["SAGUARO_AUTO_PROFILE"] = "0"
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two test processes on two cores: one thread each, not four
+    torch.set_num_threads(1)
 
 NEW_TOKENS = 64
 
