@@ -15,6 +15,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # two test processes on two cores: on
 NEW_TOKENS = 64
 
 
+@pytest.fixture
+def machine_threads():
+    """torch on as many threads as the process has cores, for tests of how SSD shares them (the
+    test processes run one thread each); restored after."""
+    from saguaro.system import usable_cores
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(len(usable_cores()))
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     from saguaro.models import hub

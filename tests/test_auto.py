@@ -429,7 +429,7 @@ def test_the_drafter_runs_a_prompt_only_before_its_first_sd_round(target, draft)
     assert drafted == [[0, 1, 2]]  # once, at the third round
 
 
-def test_a_loading_worker_keeps_the_target_off_its_core_and_its_rounds_are_forgotten(target, draft):
+def test_a_loading_worker_keeps_the_target_off_its_core_and_its_rounds_are_forgotten(target, draft, machine_threads):
     """While SSD's worker starts on one of the target's cores, the target runs on the others
     (its threads would each wait for the one sharing that core), and the costs measured
     meanwhile are dropped once the start ends: they say little about later rounds."""
