@@ -177,7 +177,7 @@ def test_a_hugging_face_draft_for_a_gguf_target_decodes_as_ar(files, ar_tokens, 
 
 
 def test_a_hugging_face_draft_with_another_token_is_named(files, hf_draft, tmp_path):
-    tokenizer = load_tokenizer(files[0])
+    tokenizer = load_tokenizer(hf_draft)  # a Hugging Face folder: transformers' tokenizer
     tokenizer.add_tokens(["<brand-new-token>"])
     tokenizer.save_pretrained(tmp_path)
     tiny_llama(len(tokenizer), 1, 1).save_pretrained(tmp_path)

@@ -289,23 +289,6 @@ def test_unsupported_gguf_raises_a_clear_error(case, tmp_path):
         load_model(file)
 
 
-def test_a_gguf_tokenizer_is_cached_and_reads_back_the_same(smollm2_path, tmp_path, monkeypatch):
-    from saguaro.models.loader import load_tokenizer
-
-    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
-    built = load_tokenizer(smollm2_path)  # converted from the GGUF file, then saved
-    cached = load_tokenizer(smollm2_path)
-    assert list((tmp_path / "tokenizers").iterdir()) and str(tmp_path) in cached.name_or_path
-    texts = ["def quicksort(xs):\n    return xs  # ünïcode, 中文, emoji 🌵", "  leading spaces\n\n\ttabs"]
-    assert [cached(t)["input_ids"] for t in texts] == [built(t)["input_ids"] for t in texts]
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
-    assert cached.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
-        built.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    assert (cached.eos_token_id, cached.bos_token_id, len(cached)) == (built.eos_token_id, built.bos_token_id, len(built))
-    ids = built(texts[0])["input_ids"]
-    assert cached.decode(ids) == built.decode(ids)
-
-
 def assert_reads_like_gguf_py(path: Path) -> None:
     from saguaro.models.gguf_file import read_gguf_file
 

@@ -16,6 +16,7 @@ from saguaro.models import native
 from saguaro.models.config import ModelConfig, UnsupportedModelError
 from saguaro.models.eagle import model_class
 from saguaro.models.gguf_file import GGUFFile, read_gguf_file
+from saguaro.models.tokenizer import FolderTokenizer
 from saguaro.models.hub import cache_dir
 from saguaro.models.llama import LlamaModel
 from saguaro.models.packed import PackedLinear, pack_linears
@@ -683,37 +684,43 @@ def _has_own_embeddings(folder: str | Path) -> bool:
 
 
 def load_tokenizer(path: str | Path):
-    """A Hugging Face tokenizer, chat template included, from a folder or a GGUF file.
+    """A tokenizer, chat template included, from a folder or a GGUF file.
 
     Building one from a GGUF file's vocabulary takes seconds (transformers converts it anew),
     so the result is kept in the cache as a tokenizer folder, keyed by the file's name, size
-    and modification time, and read from there next time."""
+    and modification time, and read from there, without transformers, next time."""
+    folder, gguf_file = checkpoint_files(Path(path))
+    if gguf_file is None:
+        return _transformers_tokenizer(folder)
+    stat = gguf_file.stat()
+    cached = cache_dir() / "tokenizers" / f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if not cached.is_dir():
+        tokenizer = _transformers_tokenizer(folder, gguf_file.name)
+        if not _save_atomically(tokenizer, cached):
+            return tokenizer
+    return FolderTokenizer(cached)
+
+
+def _transformers_tokenizer(folder: Path, gguf_name: str | None = None):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.utils import logging
 
-    folder, gguf_file = checkpoint_files(Path(path))
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()
     try:
-        if gguf_file is None:
-            return AutoTokenizer.from_pretrained(str(folder))
-        stat = gguf_file.stat()
-        cached = cache_dir() / "tokenizers" / f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-        if cached.is_dir():
-            return AutoTokenizer.from_pretrained(str(cached))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file.name)
+            return AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_name)
         except ValueError:  # an architecture transformers' GGUF reader lacks (SmolLM3): its tokenizer alone
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder), gguf_file=gguf_file.name)
-        _save_atomically(tokenizer, cached)
-        return tokenizer
+            if gguf_name is None:
+                raise
+            return PreTrainedTokenizerFast.from_pretrained(str(folder), gguf_file=gguf_name)
     finally:
         logging.set_verbosity(verbosity)
 
 
-def _save_atomically(tokenizer, folder: Path) -> None:
-    """Writes next to `folder` and renames, so a reader never sees half a tokenizer; a cache that
-    cannot be written only costs the next load its speed."""
+def _save_atomically(tokenizer, folder: Path) -> bool:
+    """Writes next to `folder` and renames, so a reader never sees half a tokenizer. False where
+    the cache cannot be written (which only costs the next load its speed)."""
     import shutil
     import tempfile
 
@@ -726,4 +733,5 @@ def _save_atomically(tokenizer, folder: Path) -> None:
         except OSError:  # another process got there first
             shutil.rmtree(staging, ignore_errors=True)
     except OSError:
-        pass
+        return False
+    return True
