@@ -262,6 +262,7 @@ def test_tiles_repacked_from_the_file_are_those_of_the_decoded_codes(kind, sourc
     assert torch.equal(blocks.rows(order).tiles(), native_tiles(groups.rows(order))[1])
     expected = torch.from_numpy(np.asarray(loader.dequantize_gguf(tensor), dtype=np.float32))
     torch.testing.assert_close(blocks.dequantize(), expected, rtol=1e-6, atol=0)
+    assert torch.equal(blocks.dequantize(torch.bfloat16), blocks.dequantize().bfloat16())  # rounded as torch rounds
     # Control: the tiles of the rows in file order are not those of the reordered rows.
     assert not torch.equal(blocks.tiles(), native_tiles(groups.rows(order))[1])
 

@@ -188,6 +188,28 @@ TARGET static void decode_pairs(int type, const uint8_t *row, int64_t g, uint8_t
     memcpy(pairs, type == Q4_1 ? b + 4 : type == IQ4_XS ? b + 8 + 16 * sb : b + 2, 16);
 }
 
+/* Q4_K, a block at a time: a row's 256-weight block as row j of its 8 consecutive tiles
+ * (tile_bytes apart), with decode_pairs' results (the same products and roundings) and the
+ * block's scales unpacked once. */
+TARGET static void q4_k_block_pairs(const uint8_t *b, uint8_t *tile, int64_t tile_bytes, int j) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const __m128i nibble = _mm_set1_epi8(15);
+    for (int sb = 0; sb < 8; sb++, tile += tile_bytes) {
+        int sc, min;
+        k_scale_min(sb, b + 4, &sc, &min);
+        const uint8_t *qs = b + 16 + 32 * (sb / 2);
+        const __m128i first = _mm_loadu_si128((const __m128i *)qs), second = _mm_loadu_si128((const __m128i *)(qs + 16));
+        __m128i pairs = sb % 2 ? _mm_or_si128(_mm_and_si128(_mm_srli_epi16(first, 4), nibble), _mm_andnot_si128(nibble, second))
+                               : _mm_or_si128(_mm_and_si128(first, nibble), _mm_slli_epi16(_mm_and_si128(second, nibble), 4));
+        for (int u = 0; u < 4; u++, pairs = _mm_srli_si128(pairs, 4)) {
+            const int32_t four = _mm_cvtsi128_si32(pairs);
+            memcpy(tile + 64 * u + 4 * j, &four, 4);
+        }
+        put_half(tile + 256 + 2 * j, d * (float)sc);
+        put_half(tile + 288 + 2 * j, -(dmin * (float)min));
+    }
+}
+
 /* One tile (16 outputs x 32 inputs) from its 16 rows' decoded groups, laid out as
  * group_matmul.c reads it. */
 TARGET static void write_tile(int bits, const Group *groups, uint8_t *tile) {
@@ -241,11 +263,22 @@ int64_t saguaro_tile_bytes(int bits);
 
 /* tiles of rows x cols weights held as `type` blocks, `row_bytes` apart; output row r reads
  * row order[r] (order may be NULL). Returns 0, or -2 for a type or shape the tiles do not take. */
-int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int64_t rows, int64_t cols,
+TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int64_t rows, int64_t cols,
                    const int64_t *order, uint8_t *tiles, int threads) {
     const int bits = saguaro_type_bits(type);
     if (!bits || rows % TILE_OUT || cols % block_weights(type)) return -2;
     const int64_t groups = cols / GROUP, tile_bytes = saguaro_tile_bytes(bits);
+    if (type == Q4_K) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t column = 0; column < rows / TILE_OUT; column++)
+            for (int64_t block = 0; block < cols / 256; block++)
+                for (int j = 0; j < TILE_OUT; j++) {
+                    const int64_t r = column * TILE_OUT + j;
+                    q4_k_block_pairs(data + (order ? order[r] : r) * row_bytes + block * 144,
+                                     tiles + (column * groups + block * 8) * tile_bytes, tile_bytes, j);
+                }
+        return 0;
+    }
     if (bits == 4 || bits == NL4) { /* the common case: bytes moved, not codes decoded */
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t column = 0; column < rows / TILE_OUT; column++) {
@@ -278,27 +311,56 @@ int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int64_t row
     return 0;
 }
 
+/* Q6_K's 256 weights of block b, as decode_group and the formula below give them (the same
+ * products in the same order), without a call per group. */
+TARGET static void q6_k_block_weights(const uint8_t *b, float *w) {
+    const float d = half_at(b + 208);
+    for (int sb = 0; sb < 8; sb++) {
+        const int n = sb / 4, i = sb % 4, shift = i >= 2 ? 4 : 0;
+        const uint8_t *ql = b + 64 * n + (i & 1 ? 32 : 0), *qh = b + 128 + 32 * n;
+        for (int half = 0; half < 2; half++) {
+            const int sub = (int8_t)b[192 + 2 * sb + half];
+            for (int l = 16 * half; l < 16 * half + 16; l++) {
+                const int code = ((ql[l] >> shift) & 15) | (((qh[l] >> (2 * i)) & 3) << 4);
+                w[GROUP * sb + l] = (float)((code - 32) * sub) * d;
+            }
+        }
+    }
+}
+
 /* out[i] = row ids[i] dequantized, in fp32 or bf16 (rounded to nearest even). Returns 0, or -2. */
 TARGET int saguaro_dequantize_rows(int type, const uint8_t *data, int64_t row_bytes, int64_t cols, const int64_t *ids,
                                    int64_t count, void *out, int out_bf16, int threads) {
-    if (!saguaro_type_bits(type) || cols % block_weights(type)) return -2;
+    const int bits = saguaro_type_bits(type);
+    const int64_t per_block = block_weights(type);
+    if (!bits || cols % per_block) return -2;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < count; i++) {
-        Group group;
-        for (int64_t g = 0; g < cols / GROUP; g++) {
-            decode_group(type, data + ids[i] * row_bytes, g, &group);
-            for (int j = 0; j < GROUP; j++) {
-                float w = type == Q6_K || type == Q3_K ? (float)(group.code[j] - 32) * (float)group.sub[j / 16] * group.d
-                        : saguaro_type_bits(type) == NL4 ? (float)IQ4_VALUES[group.code[j]] * group.scale
-                                                         : (float)group.code[j] * group.scale + group.low;
-                const int64_t at = i * cols + g * GROUP + j;
-                if (!out_bf16) {
-                    ((float *)out)[at] = w;
-                    continue;
+        const uint8_t *row = data + ids[i] * row_bytes;
+        float w[256];
+        for (int64_t start = 0; start < cols; start += per_block) {
+            if (type == Q6_K) {
+                q6_k_block_weights(row + start / per_block * block_bytes(type), w);
+            } else {
+                for (int64_t g = 0; g < per_block / GROUP; g++) {
+                    Group group;
+                    float *v = w + GROUP * g;
+                    decode_group(type, row, start / GROUP + g, &group);
+                    for (int j = 0; j < GROUP; j++)
+                        v[j] = type == Q3_K ? (float)(group.code[j] - 32) * (float)group.sub[j / 16] * group.d
+                             : bits == NL4  ? (float)IQ4_VALUES[group.code[j]] * group.scale
+                                            : (float)group.code[j] * group.scale + group.low;
                 }
-                uint32_t bits;
-                memcpy(&bits, &w, 4);
-                ((uint16_t *)out)[at] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+            }
+            if (!out_bf16) {
+                memcpy((float *)out + i * cols + start, w, per_block * sizeof(float));
+                continue;
+            }
+            uint16_t *to = (uint16_t *)out + i * cols + start;
+            for (int j = 0; j < per_block; j++) {
+                uint32_t u;
+                memcpy(&u, &w[j], 4);
+                to[j] = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
             }
         }
     }
