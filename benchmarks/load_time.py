@@ -3,9 +3,10 @@
 What a user waits for and the memory the machine needs before the first answer: wall time and
 peak resident memory of `saguaro generate --model FILE --max-tokens 8` and of the same through
 llama.cpp's Python binding, the two taking turns, medians of --repeats fresh processes each
-(the page cache is warm after the first: each engine's first run is not counted).
+(the page cache is warm after the first: each engine's first run is not counted; saguaro's first
+also writes its weight cache, which the others map, unless --no-weight-cache).
 
-    python benchmarks/load_time.py FILE [--repeats 3] [--threads 2]
+    python benchmarks/load_time.py FILE [--repeats 3] [--threads 2] [--no-weight-cache]
 """
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ print(llm(sys.argv[3], max_tokens=8, temperature=0)["choices"][0]["text"])
 """
 
 
-def run(command: list[str]) -> tuple[float, float]:
+def run(command: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
     """(wall seconds, peak resident GB) of one child process."""
     start = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
@@ -42,7 +43,11 @@ def main() -> None:
     parser.add_argument("file")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--no-weight-cache", action="store_true", help="saguaro repacks the weights every time "
+                        "(SAGUARO_WEIGHT_CACHE=0)")
     args = parser.parse_args()
+    environments = {"saguaro": dict(os.environ, SAGUARO_WEIGHT_CACHE="0") if args.no_weight_cache else None,
+                    "llama.cpp": None}
     commands = {
         "saguaro": [sys.executable, "-m", "saguaro.cli", "generate", "--model", args.file, "--max-tokens", "8",
                     "--threads", str(args.threads), PROMPT],
@@ -51,10 +56,11 @@ def main() -> None:
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     for i in range(args.repeats + 1):
         for name, command in commands.items():
-            result = run(command)
+            result = run(command, environments[name])
             if i:  # the first of each warms the page cache (and saguaro's compiled kernels)
                 runs[name].append(result)
-    print(f"{args.file}: medians of {args.repeats} fresh processes, {args.threads} threads")
+    cache = "off" if args.no_weight_cache else "on"
+    print(f"{args.file}: medians of {args.repeats} fresh processes, {args.threads} threads, saguaro's weight cache {cache}")
     print("| engine | wall s | peak resident GB |\n|---|---|---|")
     medians = {}
     for name, results in runs.items():

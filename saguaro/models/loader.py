@@ -5,6 +5,7 @@ use and which may leave out the embedding table they share with their target."""
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,16 +13,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from saguaro.models import native
+from saguaro.models import native, weight_cache
 from saguaro.models.config import ModelConfig, UnsupportedModelError
 from saguaro.models.eagle import model_class
 from saguaro.models.gguf_file import GGUFFile, read_gguf_file
-from saguaro.models.tokenizer import FolderTokenizer
 from saguaro.models.hub import cache_dir
 from saguaro.models.llama import LlamaModel
 from saguaro.models.packed import PackedLinear, pack_linears
 from saguaro.models.quantized import (GROUP, FileBlocks, GroupCodes, GroupInt4, GroupInt5, GroupInt6, GroupInt8,
                                       StackedCodes, check_mode, quantized_linear)
+from saguaro.models.tokenizer import FolderTokenizer
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -472,7 +473,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     if is_saguaro_checkpoint(path):
         return load_checkpoint(path, dtype, device)
     config, hf_state = read_checkpoint(path)
-    return build_model(config, hf_state, dtype, device, quantization)
+    gguf_file = checkpoint_files(Path(path))[1]
+    if gguf_file is None or not native.available() or torch.device(device).type != "cpu":
+        return build_model(config, hf_state, dtype, device, quantization)
+    stat = gguf_file.stat()
+    where = zlib.crc32(str(gguf_file.resolve()).encode())
+    key = (f"{gguf_file.stem}-{where:08x}-{stat.st_size}-{stat.st_mtime_ns}-{str(dtype).removeprefix('torch.')}-"
+           f"{quantization or 'default'}-{native.build_key()}")
+    with weight_cache.kept(cache_dir() / "weights", key):
+        return build_model(config, hf_state, dtype, device, quantization)
 
 
 # --- saguaro checkpoints (drafts) -------------------------------------------------------------

@@ -24,15 +24,19 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import shutil
 import subprocess
 import tempfile
 import warnings
+import zlib
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from saguaro.models import weight_cache
 
 SOURCES = ("group_matmul.c", "decoder_layer.c", "repack.c")
 HEADERS = ("group_matmul_avx2.h", "decoder_layer_avx2.h")
@@ -122,6 +126,11 @@ def library() -> ctypes.CDLL | None:
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.saguaro_decoder_layers.restype = ctypes.c_int
     return lib
+
+
+def build_key() -> str:
+    """The compiled kernels' name: their build and a hash of their sources (so of the tiles' layout)."""
+    return Path(library()._name).stem
 
 
 def available() -> bool:
@@ -219,6 +228,12 @@ def type_bits(type_id: int) -> int:
     return TYPE_BITS.get(type_id, 0)
 
 
+def _tag(what: str, type_id: int, shape: tuple[int, int], order: torch.Tensor | None) -> str:
+    """What a buffer holds, for the weight cache: a GGUF tensor's type, shape and row order."""
+    rows = "" if order is None else f" rows {zlib.crc32(order.to(torch.int64).numpy().tobytes()):08x}"
+    return f"{what} {type_id} {tuple(shape)}{rows}"
+
+
 def _row_order(order: torch.Tensor | None, rows: int) -> torch.Tensor:
     return (torch.arange(rows) if order is None else order).to(torch.int64).contiguous()
 
@@ -229,7 +244,11 @@ def repack(type_id: int, blocks, shape: tuple[int, int], order: torch.Tensor | N
     `out` if given), output row r from the blocks' row order[r]. Threads over tile columns."""
     out_features, in_features = shape
     size = (out_features // TILE_OUT, in_features // GROUP, TILE_BYTES[type_bits(type_id)])
-    tiles = torch.empty(size, dtype=torch.uint8) if out is None else out.view(size)
+    if out is None:
+        out, filled = weight_cache.take(_tag("repack", type_id, shape, order), math.prod(size))
+        if filled:
+            return out.view(size)
+    tiles = out.view(size)
     rows = _row_order(order, out_features)
     status = library().saguaro_repack(type_id, blocks.ctypes.data, blocks.strides[0], out_features, in_features,
                                       rows.data_ptr(), tiles.data_ptr(), torch.get_num_threads())
@@ -244,7 +263,10 @@ def dequantize_rows(type_id: int, blocks, shape: tuple[int, int], order: torch.T
     if dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"saguaro_dequantize_rows writes fp32 or bf16, not {dtype}")
     rows = _row_order(order, shape[0])
-    out = torch.empty(len(rows), shape[1], dtype=dtype)
+    buffer, filled = weight_cache.take(_tag(f"rows {dtype}", type_id, shape, order), len(rows) * shape[1] * dtype.itemsize)
+    out = buffer.view(dtype).view(len(rows), shape[1])
+    if filled:
+        return out
     status = library().saguaro_dequantize_rows(type_id, blocks.ctypes.data, blocks.strides[0], shape[1], rows.data_ptr(),
                                                len(rows), out.data_ptr(), int(dtype == torch.bfloat16),
                                                torch.get_num_threads())
@@ -263,7 +285,10 @@ def stack_parts(parts: list[tuple[int, int, int, Callable[[torch.Tensor | None],
     if not 1 <= len(parts) <= MAX_PARTS:
         raise ValueError(f"{len(parts)} parts: saguaro's kernels stack 1 to {MAX_PARTS}")
     sizes = [out_features // TILE_OUT * (in_features // GROUP) * TILE_BYTES[bits] for bits, out_features, in_features, _ in parts]
-    stacked = torch.empty(HEADER_BYTES + sum(sizes), dtype=torch.uint8)
+    tag = "stack " + ", ".join(f"{bits} {out_features}x{in_features}" for bits, out_features, in_features, _ in parts)
+    stacked, filled = weight_cache.take(tag, HEADER_BYTES + sum(sizes))
+    if filled:
+        return stacked
     header = torch.zeros(HEADER_BYTES // 8, dtype=torch.int64)
     header[0] = len(parts)
     at = HEADER_BYTES

@@ -1,0 +1,131 @@
+"""A GGUF model's repacked weights kept on disk: written on its first load, mapped on later ones.
+
+Repacking a 1 GB file into saguaro's tiles costs 1.5-2 s on two cores, most of it the kernel
+handing out and zeroing a gigabyte of fresh pages; mapping tiles that are already in the page
+cache costs neither. The buffers a load asks saguaro's kernels for (repacked tiles, stacked
+projections, dequantized rows) are handed out in the order asked; the first load keeps each
+buffer's tag and bytes, and the next load of the same file, options and kernels gets the same
+buffers back, filled, as long as it asks for the same tags in the same order (anything else
+and it fills the rest itself). SAGUARO_WEIGHT_CACHE=0 turns this off; the folder keeps at most
+SAGUARO_WEIGHT_CACHE_GB (default 16) GB, the least recently used models leaving first.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ALIGNMENT = 64
+MIN_BYTES = 32 * 2**20  # smaller models load fast enough without a copy on disk
+_current: contextvars.ContextVar[WeightCache | None] = contextvars.ContextVar("weight_cache", default=None)
+
+
+@dataclass
+class WeightCache:
+    """One load's buffers: replayed from `entry` where it holds them, else recorded."""
+    entry: Path
+    replay: list[tuple[str, int]] = field(default_factory=list)  # (tag, bytes) the entry holds
+    mapped: np.ndarray | None = None
+    recorded: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    offset: int = 0
+
+    def take(self, tag: str, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """A uint8 buffer of nbytes for `tag`, and whether it already holds the weights."""
+        index = len(self.recorded)
+        if self.mapped is not None and index < len(self.replay) and self.replay[index] == (tag, nbytes):
+            buffer, filled = torch.from_numpy(self.mapped[self.offset:self.offset + nbytes]), True
+        else:
+            self.mapped, buffer, filled = None, torch.empty(nbytes, dtype=torch.uint8), False
+        self.offset += -(-nbytes // ALIGNMENT) * ALIGNMENT
+        self.recorded.append((tag, buffer))
+        return buffer, filled
+
+    def replayed(self) -> bool:
+        return self.mapped is not None and len(self.recorded) == len(self.replay)
+
+    def write(self) -> None:
+        """The recorded buffers as the folder's entry (written aside, then renamed into place)."""
+        total = sum(-(-b.numel() // ALIGNMENT) * ALIGNMENT for _, b in self.recorded)
+        if total < MIN_BYTES or shutil.disk_usage(self.entry.parent.parent).free < 2 * total:
+            return
+        staging = Path(tempfile.mkdtemp(dir=self.entry.parent.parent))
+        with open(staging / "weights.bin", "wb") as f:
+            for _, buffer in self.recorded:
+                f.write(memoryview(buffer.numpy()))
+                f.write(bytes(-buffer.numel() % ALIGNMENT))
+        (staging / "manifest.json").write_text(json.dumps([[tag, b.numel()] for tag, b in self.recorded]))
+        shutil.rmtree(self.entry, ignore_errors=True)
+        try:
+            staging.rename(self.entry)
+        except OSError:  # another process wrote it first
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def enabled() -> bool:
+    return os.environ.get("SAGUARO_WEIGHT_CACHE", "1") != "0"
+
+
+def budget_bytes() -> int:
+    return int(float(os.environ.get("SAGUARO_WEIGHT_CACHE_GB", "16")) * 2**30)
+
+
+def open_entry(entry: Path) -> WeightCache:
+    """The cache of `entry`: replaying what it holds, or recording where it holds nothing usable."""
+    try:
+        replay = [(tag, nbytes) for tag, nbytes in json.loads((entry / "manifest.json").read_text())]
+        mapped = np.memmap(entry / "weights.bin", dtype=np.uint8, mode="c")  # private: the file never changes
+        os.utime(entry)  # recently used
+        return WeightCache(entry, replay, mapped)
+    except (OSError, ValueError):
+        return WeightCache(entry)
+
+
+@contextlib.contextmanager
+def kept(folder: Path, key: str) -> Iterator[None]:
+    """Within: saguaro's kernels take their buffers from the cache entry `key` of `folder`."""
+    if not enabled():
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    cache = open_entry(folder / key)
+    token = _current.set(cache)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+    if not cache.replayed():
+        with contextlib.suppress(OSError):
+            cache.write()
+            evict(folder, budget_bytes(), keep=folder / key)
+
+
+def take(tag: str, nbytes: int) -> tuple[torch.Tensor, bool]:
+    """A buffer for one of the kernels' outputs: from the load's cache if there is one, else
+    fresh memory; and whether it already holds the output."""
+    cache = _current.get()
+    if cache is None:
+        return torch.empty(nbytes, dtype=torch.uint8), False
+    return cache.take(tag, nbytes)
+
+
+def evict(folder: Path, budget: int, keep: Path) -> None:
+    """Removes the least recently used entries (never `keep`) until the folder fits `budget`."""
+    entries = sorted((e for e in folder.iterdir() if e.is_dir() and (e / "manifest.json").exists()),
+                     key=lambda e: e.stat().st_mtime)
+    sizes = {e: sum(f.stat().st_size for f in e.iterdir()) for e in entries}
+    total = sum(sizes.values())
+    for entry in entries:
+        if total <= budget:
+            break
+        if entry != keep:
+            shutil.rmtree(entry, ignore_errors=True)
+            total -= sizes[entry]

@@ -1,0 +1,101 @@
+"""A GGUF model's repacked weights kept on disk (saguaro.models.weight_cache): the first load
+writes them, the next maps them back and computes the same logits bit for bit; a cache entry
+that does not match the load is not used, and the folder keeps to its budget."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from saguaro.models import loader, native, weight_cache
+from test_gguf import saguaro_logits
+from test_quantized import KQUANT_SIZE, TOKENS, q4_k_m_files
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_file(tmp_path_factory):
+    """A Q4_K_M file of random blocks: Q4_K and Q6_K tiles, a stacked qkv, a Q6_K head."""
+    torch.manual_seed(0)
+    source = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**KQUANT_SIZE))
+    return q4_k_m_files(source, tmp_path_factory.mktemp("q4_k_m"))[0]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    monkeypatch.setattr(weight_cache, "MIN_BYTES", 0)
+    return tmp_path / "weights"
+
+
+def loads(file) -> tuple[torch.Tensor, weight_cache.WeightCache]:
+    """The logits of a fresh load of `file`, and the weight cache that load used."""
+    used = []
+    original = weight_cache.open_entry
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(weight_cache, "open_entry", lambda entry: used.append(original(entry)) or used[-1])
+        model = loader.load_model(file, torch.bfloat16)
+    return saguaro_logits(model, TOKENS), used[0]
+
+
+def entry_of(cache):
+    entries = list(cache.iterdir())
+    assert len(entries) == 1
+    return entries[0]
+
+
+def test_the_second_load_maps_the_first_loads_weights(q4_k_m_file, cache):
+    first, recorded = loads(q4_k_m_file)
+    assert not recorded.replayed()
+    tags = [tag for tag, _ in json.loads((entry_of(cache) / "manifest.json").read_text())]
+    assert any(t.startswith("stack") for t in tags) and any(t.startswith("repack 14") for t in tags)  # Q6_K
+    second, replayed = loads(q4_k_m_file)
+    assert replayed.replayed() and len(replayed.recorded) == len(tags)
+    assert torch.equal(first, second)
+
+
+def test_the_mapped_bytes_are_the_weights(q4_k_m_file, cache):
+    """Control: the replayed load computes with the file's bytes (altered, its logits change)."""
+    first, _ = loads(q4_k_m_file)
+    weights = entry_of(cache) / "weights.bin"
+    data = bytearray(weights.read_bytes())
+    data[64 + 1000:64 + 1100] = bytes(100)  # codes of the first buffer (after its 64-byte stack header)
+    weights.write_bytes(bytes(data))
+    altered, replayed = loads(q4_k_m_file)
+    assert replayed.replayed() and not torch.equal(first, altered)
+
+
+def test_an_entry_that_does_not_match_the_load_is_replaced(q4_k_m_file, cache):
+    first, _ = loads(q4_k_m_file)
+    manifest = entry_of(cache) / "manifest.json"
+    tags = json.loads(manifest.read_text())
+    tags[1][0] = "repack 99 (1, 1)"  # what another loader might have asked for
+    manifest.write_text(json.dumps(tags))
+    second, used = loads(q4_k_m_file)
+    assert not used.replayed() and torch.equal(first, second)
+    third, used = loads(q4_k_m_file)  # rewritten by the second load
+    assert used.replayed() and torch.equal(first, third)
+
+
+def test_other_options_get_their_own_entry_and_the_switch_turns_it_off(q4_k_m_file, cache, monkeypatch):
+    loads(q4_k_m_file)
+    loader.load_model(q4_k_m_file, torch.float32)
+    assert len(list(cache.iterdir())) == 2
+    monkeypatch.setenv("SAGUARO_WEIGHT_CACHE", "0")
+    for entry in cache.iterdir():
+        (entry / "manifest.json").unlink()
+    loader.load_model(q4_k_m_file, torch.bfloat16)
+    assert not any((entry / "manifest.json").exists() for entry in cache.iterdir())
+
+
+def test_the_least_recently_used_entries_leave_first(q4_k_m_file, cache, monkeypatch):
+    loads(q4_k_m_file)
+    bf16 = entry_of(cache)
+    size = sum(f.stat().st_size for f in bf16.iterdir())
+    monkeypatch.setenv("SAGUARO_WEIGHT_CACHE_GB", str(1.5 * size / 2**30))
+    loader.load_model(q4_k_m_file, torch.float32)  # a second entry: over the budget, the older one leaves
+    (remaining,) = list(cache.iterdir())
+    assert remaining != bf16 and "float32" in remaining.name
