@@ -210,6 +210,38 @@ TARGET static void q4_k_block_pairs(const uint8_t *b, uint8_t *tile, int64_t til
     }
 }
 
+/* Q6_K, a block at a time, as decode_group and write_tile would write it: row j of the 8 tiles
+ * of a 256-weight block. A group's low nibbles pair up as Q4_K's do; its top two bits go four
+ * to a byte. */
+TARGET static void q6_k_block_tiles(const uint8_t *b, uint8_t *tile, int64_t tile_bytes, int j) {
+    const float d = half_at(b + 208);
+    const __m128i nibble = _mm_set1_epi8(15);
+    for (int sb = 0; sb < 8; sb++, tile += tile_bytes) {
+        const int n = sb / 4, i = sb % 4;
+        const uint8_t *ql = b + 64 * n + (i & 1 ? 32 : 0), *qh = b + 128 + 32 * n;
+        const __m128i first = _mm_loadu_si128((const __m128i *)ql), second = _mm_loadu_si128((const __m128i *)(ql + 16));
+        __m128i pairs = i >= 2 ? _mm_or_si128(_mm_and_si128(_mm_srli_epi16(first, 4), nibble), _mm_andnot_si128(nibble, second))
+                               : _mm_or_si128(_mm_and_si128(first, nibble), _mm_slli_epi16(_mm_and_si128(second, nibble), 4));
+        for (int u = 0; u < 4; u++, pairs = _mm_srli_si128(pairs, 4)) {
+            const int32_t four = _mm_cvtsi128_si32(pairs);
+            memcpy(tile + 64 * u + 4 * j, &four, 4);
+        }
+        for (int h = 0; h < 2; h++) { /* byte t of the word: the tops of codes 8h + 4v + t and 16 + 8h + 4v + t */
+            uint32_t top = 0;
+            for (int v = 0; v < 2; v++)
+                for (int s = 0; s < 2; s++) {
+                    uint32_t four;
+                    memcpy(&four, qh + 16 * s + 8 * h + 4 * v, 4);
+                    top |= ((four >> (2 * i)) & 0x03030303u) << (4 * v + 2 * s);
+                }
+            memcpy(tile + 256 + 64 * h + 4 * j, &top, 4);
+        }
+        tile[384 + j] = b[192 + 2 * sb];
+        tile[400 + j] = b[192 + 2 * sb + 1];
+        put_half(tile + 416 + 2 * j, d);
+    }
+}
+
 /* One tile (16 outputs x 32 inputs) from its 16 rows' decoded groups, laid out as
  * group_matmul.c reads it. */
 TARGET static void write_tile(int bits, const Group *groups, uint8_t *tile) {
@@ -268,14 +300,16 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
     const int bits = saguaro_type_bits(type);
     if (!bits || rows % TILE_OUT || cols % block_weights(type)) return -2;
     const int64_t groups = cols / GROUP, tile_bytes = saguaro_tile_bytes(bits);
-    if (type == Q4_K) {
+    if (type == Q4_K || type == Q6_K) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t column = 0; column < rows / TILE_OUT; column++)
             for (int64_t block = 0; block < cols / 256; block++)
                 for (int j = 0; j < TILE_OUT; j++) {
                     const int64_t r = column * TILE_OUT + j;
-                    q4_k_block_pairs(data + (order ? order[r] : r) * row_bytes + block * 144,
-                                     tiles + (column * groups + block * 8) * tile_bytes, tile_bytes, j);
+                    const uint8_t *b = data + (order ? order[r] : r) * row_bytes + block * block_bytes(type);
+                    uint8_t *tile = tiles + (column * groups + block * 8) * tile_bytes;
+                    if (type == Q4_K) q4_k_block_pairs(b, tile, tile_bytes, j);
+                    else q6_k_block_tiles(b, tile, tile_bytes, j);
                 }
         return 0;
     }
