@@ -99,3 +99,11 @@ def test_the_least_recently_used_entries_leave_first(q4_k_m_file, cache, monkeyp
     loader.load_model(q4_k_m_file, torch.float32)  # a second entry: over the budget, the older one leaves
     (remaining,) = list(cache.iterdir())
     assert remaining != bf16 and "float32" in remaining.name
+
+
+def test_a_truncated_entry_is_not_used(q4_k_m_file, cache):
+    first, _ = loads(q4_k_m_file)
+    weights = entry_of(cache) / "weights.bin"
+    weights.write_bytes(weights.read_bytes()[:-4096])  # a copy cut short
+    second, used = loads(q4_k_m_file)
+    assert not used.replayed() and torch.equal(first, second)

@@ -58,11 +58,15 @@ class WeightCache:
         if total < MIN_BYTES or shutil.disk_usage(self.entry.parent.parent).free < 2 * total:
             return
         staging = Path(tempfile.mkdtemp(dir=self.entry.parent.parent))
-        with open(staging / "weights.bin", "wb") as f:
-            for _, buffer in self.recorded:
-                f.write(memoryview(buffer.numpy()))
-                f.write(bytes(-buffer.numel() % ALIGNMENT))
-        (staging / "manifest.json").write_text(json.dumps([[tag, b.numel()] for tag, b in self.recorded]))
+        try:
+            with open(staging / "weights.bin", "wb") as f:
+                for _, buffer in self.recorded:
+                    f.write(memoryview(buffer.numpy()))
+                    f.write(bytes(-buffer.numel() % ALIGNMENT))
+            (staging / "manifest.json").write_text(json.dumps([[tag, b.numel()] for tag, b in self.recorded]))
+        except OSError:  # a full disk: nothing half-written stays behind
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         shutil.rmtree(self.entry, ignore_errors=True)
         try:
             staging.rename(self.entry)
@@ -83,6 +87,8 @@ def open_entry(entry: Path) -> WeightCache:
     try:
         replay = [(tag, nbytes) for tag, nbytes in json.loads((entry / "manifest.json").read_text())]
         mapped = np.memmap(entry / "weights.bin", dtype=np.uint8, mode="c")  # private: the file never changes
+        if len(mapped) != sum(-(-nbytes // ALIGNMENT) * ALIGNMENT for _, nbytes in replay):
+            raise ValueError(f"{entry}: the weights do not match the manifest")
         os.utime(entry)  # recently used
         return WeightCache(entry, replay, mapped)
     except (OSError, ValueError):
