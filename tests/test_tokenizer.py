@@ -55,7 +55,11 @@ def test_ids_and_text_are_transformers(pair, texts):
             assert ours.decode(part) == theirs.decode(part)
     assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (theirs.eos_token_id, theirs.bos_token_id, len(theirs))
     assert ours.get_vocab() == theirs.get_vocab()
-    assert ours.convert_ids_to_tokens(list(range(len(ours)))) == theirs.convert_ids_to_tokens(list(range(len(theirs))))
+    tokens = ours.convert_ids_to_tokens(list(range(len(ours))))
+    assert tokens == theirs.convert_ids_to_tokens(list(range(len(theirs))))
+    spelled = tokens[::97] + ["<not-a-token>", "Ġthe"]
+    assert ours.convert_tokens_to_ids(spelled) == theirs.convert_tokens_to_ids(spelled)
+    assert ours.convert_tokens_to_ids("Ġthe") == theirs.convert_tokens_to_ids("Ġthe")
 
 
 def test_chat_prompts_are_transformers(pair):

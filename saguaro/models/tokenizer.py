@@ -68,6 +68,13 @@ class FolderTokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]
 
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        """Ids of token strings; a string not in the vocabulary gets the unknown token's id."""
+        if isinstance(tokens, str):
+            found = self.backend.token_to_id(tokens)
+            return self._id("unk_token") if found is None else found
+        return [self.convert_tokens_to_ids(t) for t in tokens]
+
     def save_pretrained(self, folder: str | Path) -> None:
         """A folder that this class, and transformers' AutoTokenizer, read back."""
         folder = Path(folder)
