@@ -35,8 +35,13 @@ def loads(file) -> tuple[torch.Tensor, weight_cache.WeightCache]:
     """The logits of a fresh load of `file`, and the weight cache that load used."""
     used = []
     original = weight_cache.open_entry
+
+    def opened(entry):
+        used.append(original(entry))
+        return used[-1]
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(weight_cache, "open_entry", lambda entry: used.append(original(entry)) or used[-1])
+        patch.setattr(weight_cache, "open_entry", opened)
         model = loader.load_model(file, torch.bfloat16)
     return saguaro_logits(model, TOKENS), used[0]
 

@@ -188,23 +188,28 @@ TARGET static void decode_pairs(int type, const uint8_t *row, int64_t g, uint8_t
     memcpy(pairs, type == Q4_1 ? b + 4 : type == IQ4_XS ? b + 8 + 16 * sb : b + 2, 16);
 }
 
+/* Row j's 16 bytes of a 4-bit tile's codes from 32 nibbles: byte i pairs the low (or, with
+ * high set, the high) nibbles of qs[i] and qs[16 + i], the first in its low half. */
+TARGET static inline void put_nibble_pairs(const uint8_t *qs, int high, uint8_t *tile, int j) {
+    const __m128i nibble = _mm_set1_epi8(15);
+    const __m128i first = _mm_loadu_si128((const __m128i *)qs), second = _mm_loadu_si128((const __m128i *)(qs + 16));
+    __m128i pairs = high ? _mm_or_si128(_mm_and_si128(_mm_srli_epi16(first, 4), nibble), _mm_andnot_si128(nibble, second))
+                         : _mm_or_si128(_mm_and_si128(first, nibble), _mm_slli_epi16(_mm_and_si128(second, nibble), 4));
+    for (int u = 0; u < 4; u++, pairs = _mm_srli_si128(pairs, 4)) {
+        const int32_t four = _mm_cvtsi128_si32(pairs);
+        memcpy(tile + 64 * u + 4 * j, &four, 4);
+    }
+}
+
 /* Q4_K, a block at a time: a row's 256-weight block as row j of its 8 consecutive tiles
  * (tile_bytes apart), with decode_pairs' results (the same products and roundings) and the
  * block's scales unpacked once. */
 TARGET static void q4_k_block_pairs(const uint8_t *b, uint8_t *tile, int64_t tile_bytes, int j) {
     const float d = half_at(b), dmin = half_at(b + 2);
-    const __m128i nibble = _mm_set1_epi8(15);
     for (int sb = 0; sb < 8; sb++, tile += tile_bytes) {
         int sc, min;
         k_scale_min(sb, b + 4, &sc, &min);
-        const uint8_t *qs = b + 16 + 32 * (sb / 2);
-        const __m128i first = _mm_loadu_si128((const __m128i *)qs), second = _mm_loadu_si128((const __m128i *)(qs + 16));
-        __m128i pairs = sb % 2 ? _mm_or_si128(_mm_and_si128(_mm_srli_epi16(first, 4), nibble), _mm_andnot_si128(nibble, second))
-                               : _mm_or_si128(_mm_and_si128(first, nibble), _mm_slli_epi16(_mm_and_si128(second, nibble), 4));
-        for (int u = 0; u < 4; u++, pairs = _mm_srli_si128(pairs, 4)) {
-            const int32_t four = _mm_cvtsi128_si32(pairs);
-            memcpy(tile + 64 * u + 4 * j, &four, 4);
-        }
+        put_nibble_pairs(b + 16 + 32 * (sb / 2), sb % 2, tile, j);
         put_half(tile + 256 + 2 * j, d * (float)sc);
         put_half(tile + 288 + 2 * j, -(dmin * (float)min));
     }
@@ -215,17 +220,10 @@ TARGET static void q4_k_block_pairs(const uint8_t *b, uint8_t *tile, int64_t til
  * to a byte. */
 TARGET static void q6_k_block_tiles(const uint8_t *b, uint8_t *tile, int64_t tile_bytes, int j) {
     const float d = half_at(b + 208);
-    const __m128i nibble = _mm_set1_epi8(15);
     for (int sb = 0; sb < 8; sb++, tile += tile_bytes) {
         const int n = sb / 4, i = sb % 4;
-        const uint8_t *ql = b + 64 * n + (i & 1 ? 32 : 0), *qh = b + 128 + 32 * n;
-        const __m128i first = _mm_loadu_si128((const __m128i *)ql), second = _mm_loadu_si128((const __m128i *)(ql + 16));
-        __m128i pairs = i >= 2 ? _mm_or_si128(_mm_and_si128(_mm_srli_epi16(first, 4), nibble), _mm_andnot_si128(nibble, second))
-                               : _mm_or_si128(_mm_and_si128(first, nibble), _mm_slli_epi16(_mm_and_si128(second, nibble), 4));
-        for (int u = 0; u < 4; u++, pairs = _mm_srli_si128(pairs, 4)) {
-            const int32_t four = _mm_cvtsi128_si32(pairs);
-            memcpy(tile + 64 * u + 4 * j, &four, 4);
-        }
+        const uint8_t *qh = b + 128 + 32 * n;
+        put_nibble_pairs(b + 64 * n + (i & 1 ? 32 : 0), i >= 2, tile, j);
         for (int h = 0; h < 2; h++) { /* byte t of the word: the tops of codes 8h + 4v + t and 16 + 8h + 4v + t */
             uint32_t top = 0;
             for (int v = 0; v < 2; v++)
