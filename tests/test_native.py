@@ -31,6 +31,8 @@ def random_weights(out_features: int, in_features: int, bits: int, seed: int = 0
     gen = torch.Generator().manual_seed(seed)
     groups = in_features // GROUP
     scales = fp16_exact(torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3)
+    if bits == native.SYM4:  # Q4_0: w = (code - 8) * scale
+        return torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8), scales, -8 * scales
     if bits in (4, 5):
         codes = torch.randint(0, 2 ** bits, (out_features, in_features), generator=gen, dtype=torch.uint8)
         return codes, scales, fp16_exact(-torch.rand(out_features, groups, generator=gen) * 0.2)
@@ -65,11 +67,13 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def pack(bits, codes, scales, lows):
+    if bits == native.SYM4:  # the 4-bit record without its lows
+        return native.pack4(codes, scales, lows)[..., :native.TILE_BYTES[native.SYM4]].contiguous()
     return {4: native.pack4, 5: native.pack5}[bits](codes, scales, lows) if lows is not None else \
         native.pack8(codes, scales)
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [4, native.SYM4, 5, 8])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (16, 32)], ids=str)
 def test_group_products_compute_the_documented_arithmetic(bits, shape):
     codes, scales, lows = random_weights(*shape, bits)
@@ -85,7 +89,7 @@ def test_group_products_compute_the_documented_arithmetic(bits, shape):
     assert relative_error(wrong, kernel_arithmetic(x, codes, scales, lows)) > 0.1
 
 
-@pytest.mark.parametrize("bits", [4, 5, 6, 8, 16])
+@pytest.mark.parametrize("bits", [4, native.SYM4, 5, 6, 8, 16])
 def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(bits):
     if bits == 16 and not native.bf16_available():
         pytest.skip("no bf16 kernel on this CPU")
@@ -155,6 +159,40 @@ def test_bf16_products_sum_the_exact_pair_products(shape):
     # Control: the pairs of each chunk swapped are caught.
     swapped = weight.reshape(shape[0], -1, 2).flip(2).reshape(shape)
     assert relative_error(native.group_matmul(16, native_tiles(swapped)[1], x, shape[0], torch.float32), reference) > 0.1
+
+
+OTHER_BUILD = """
+import sys, torch
+from saguaro.models import native
+tiles, x = torch.load(sys.argv[1])
+out = [native.group_matmul(bits, t, x[:rows], t.shape[0] * native.TILE_OUT, torch.float32)
+       for bits, t in tiles.items() for rows in (1, 5)]
+torch.save((native.build(), out), sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(native.build() != "avx512", reason="the AVX2 build is compared where the AVX-512 one runs")
+def test_the_avx2_build_computes_what_the_avx512_build_computes(tmp_path):
+    """The two builds agree bit for bit on every integer kind (group_matmul_avx2.h says why), and
+    the AVX2 build passes the arithmetic tests with their controls."""
+    codes, scales, lows = random_weights(960, 768, 4)
+    four = native.pack4(codes, scales, lows)
+    tiles = {4: four, native.SYM4: four[..., :288].contiguous(), native.NL4: four[..., :288].contiguous(),
+             5: pack(5, *random_weights(960, 768, 5)), 6: native_tiles(random_q6(960, 768))[1],
+             8: pack(8, *random_weights(960, 768, 8))}
+    x = torch.randn(5, 768).bfloat16()
+    torch.save((tiles, x), tmp_path / "in.pt")
+    env = dict(os.environ, SAGUARO_NATIVE_BUILD="avx2")
+    result = subprocess.run([sys.executable, "-c", OTHER_BUILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    build, theirs = torch.load(tmp_path / "out.pt")
+    ours = [native.group_matmul(bits, t, x[:rows], 960, torch.float32) for bits, t in tiles.items() for rows in (1, 5)]
+    assert build == "avx2" and all(torch.equal(a, b) for a, b in zip(theirs, ours))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k",
+                             "documented_arithmetic or rows_result or sums_the_exact"], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-2000:]
 
 
 def test_stacked_parts_compute_each_parts_product():

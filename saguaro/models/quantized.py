@@ -248,7 +248,7 @@ class Int4Linear(QuantizedLinear):
         super().__init__(*weights.shape, bias)
         self.compute_dtype = dtype
         self.native = native.available() and native.fits(*weights.shape)
-        self.bits = None  # what decoder_layer.c reads (saguaro.models.native): 4, or 0 for parts
+        self.bits = None  # what decoder_layer.c reads (saguaro.models.native): 4, SYM4, or 0 for parts
         if self.native:
             self.bits, packed = native_tiles(weights)
             self.register_buffer("packed", packed, persistent=False)
@@ -326,7 +326,9 @@ def quantized_linear(weight: torch.Tensor | GroupCodes | FileBlocks | StackedCod
     out_features, in_features = weight.shape
     if mode == "int8":
         return Int8Linear(weight if isinstance(weight, torch.Tensor) else weight.dequantize(), bias, dtype)
-    if isinstance(weight, (FileBlocks, StackedCodes)) and weight.bits == 4 or isinstance(weight, GroupInt4):
+    four_bit = isinstance(weight, GroupInt4) or isinstance(weight, (FileBlocks, StackedCodes)) and \
+        weight.bits in native.FOUR_BIT_KINDS
+    if four_bit:
         if mode in ("auto", "int4") and fits_int4(out_features, in_features):
             return Int4Linear(weight, bias, dtype)
     elif not isinstance(weight, torch.Tensor):  # 5, 6 and 8 bits, and parts of several widths

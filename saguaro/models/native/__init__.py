@@ -17,7 +17,8 @@ It needs x86-64 with AVX512-VNNI, or AVX2 with FMA (a second build of the same s
 `-DSAGUARO_AVX2`: group_matmul_avx2.h, decoder_layer_avx2.h), and a C compiler (`$CC`, else
 `cc`) with OpenMP. Without them saguaro says so once and runs torch's kernels: the same weights, with bf16 activations. The
 library is cached under saguaro's cache folder, keyed by the source and the compiler, so later
-starts load it in milliseconds. SAGUARO_NATIVE=0 turns it off.
+starts load it in milliseconds. SAGUARO_NATIVE=0 turns it off; SAGUARO_NATIVE_BUILD=avx2 runs the
+AVX2 build on a CPU that has AVX-512 too.
 """
 from __future__ import annotations
 
@@ -85,13 +86,21 @@ def library_path(build: str, flags: tuple[str, ...], folder: Path = Path(__file_
 
 
 def _supported_build() -> ctypes.CDLL:
-    """The widest build whose instructions this CPU has (each compiled the first time it is tried)."""
+    """The widest build whose instructions this CPU has (each compiled the first time it is tried),
+    or the one SAGUARO_NATIVE_BUILD names (the AVX2 build runs on AVX-512 CPUs too: tests compare them)."""
+    wanted = os.environ.get("SAGUARO_NATIVE_BUILD")
+    names = [build for build, _ in BUILDS]
+    if wanted is not None and wanted not in names:
+        raise ValueError(f"SAGUARO_NATIVE_BUILD={wanted!r}: the builds are {', '.join(names)}")
     for build, flags in BUILDS:
+        if wanted not in (None, build):
+            continue
         lib = ctypes.CDLL(str(library_path(build, flags)))
         if lib.saguaro_cpu_supported():
             lib.build = build
             return lib
-    raise NativeUnavailable("this CPU has neither AVX512-VNNI nor AVX2 with FMA")
+    raise NativeUnavailable(f"this CPU lacks the {wanted} build's instructions" if wanted else
+                            "this CPU has neither AVX512-VNNI nor AVX2 with FMA")
 
 
 @functools.cache
@@ -216,11 +225,13 @@ def pack6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.T
                       _halves(per_group)], dim=-1).contiguous()
 
 
-# ggml's type ids of the blocks repack.c reads, and the tiles' kind for each: its width, or NL4
+# ggml's type ids of the blocks repack.c reads, and the tiles' kind for each: its width, NL4 or SYM4
 NL4 = 104  # 4-bit codes into IQ4's table of non-linear values (group_matmul.c)
-TYPE_BITS = {2: 4, 3: 4, 12: 4, 6: 5, 7: 5, 13: 5, 14: 6, 8: 8,  # Q4_0 Q4_1 Q4_K, Q5_0 Q5_1 Q5_K, Q6_K, Q8_0
+SYM4 = 100  # Q4_0's 4-bit codes offset by 8: the 4-bit record without its lows (group_matmul.c)
+FOUR_BIT_KINDS = (4, SYM4)  # the kinds torch's int4 kernel also runs, where saguaro's do not
+TYPE_BITS = {2: SYM4, 3: 4, 12: 4, 6: 5, 7: 5, 13: 5, 14: 6, 8: 8,  # Q4_0 Q4_1 Q4_K, Q5_0 Q5_1 Q5_K, Q6_K, Q8_0
              11: 6, 20: NL4, 23: NL4}  # Q3_K (in Q6_K's tiles: 7 bits a weight, not its 3.4), IQ4_NL, IQ4_XS
-TILE_BYTES = {4: 320, 5: 384, 6: 448, 8: 544, 16: 1024, NL4: 288}
+TILE_BYTES = {4: 320, 5: 384, 6: 448, 8: 544, 16: 1024, NL4: 288, SYM4: 288}
 
 
 def type_bits(type_id: int) -> int:

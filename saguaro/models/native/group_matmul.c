@@ -25,6 +25,9 @@
  *    integer sums, combined in integers: d * x.d * sum_s scale_s * (dot_s - 32 qsum_s).
  *  - 8-bit, 544 bytes: 8 chunks of 64 bytes, byte 4j + t of chunk k holding output j's code for
  *    input 4k + t plus 128 (so unsigned); 16 fp16 scales (the low is zero).
+ *  - symmetric 4-bit (Q4_0; kind SYM4), 288 bytes: the 4-bit record without its lows, a code c
+ *    standing for (c - 8) * scale; the integer sum takes 8 * sum(q) off, as llama.cpp's Q4_0 dot
+ *    subtracts 8 from each code, so the record holds the file's 4.5 bits a weight.
  *  - IQ4 (IQ4_NL, IQ4_XS; kind NL4), 288 bytes: the 4-bit record's chunks and 16 fp16 scales;
  *    a code c stands for the weight kIQ4[c] * scale (kIQ4: ggml's 16 non-linear int8 values),
  *    looked up per byte (vpshufb) and offset by 128 for the unsigned side of vpdpbusd.
@@ -45,6 +48,7 @@
 #define MAX_ROWS 8       /* rows sharing one pass over the codes (a verification of K + 1 <= 8 tokens: one) */
 #define PREFETCH_TILES 8 /* how far ahead the codes are fetched while the current tile computes */
 #define NL4 104 /* the IQ4 tile kind (not a width: its codes are 4 bits) */
+#define SYM4 100 /* the Q4_0 tile kind: 4-bit codes offset by 8, no lows */
 #define HEADER_BYTES 64
 #define MAX_PARTS 3
 
@@ -66,7 +70,7 @@ int saguaro_cpu_supported(void) {
 #endif
 
 int64_t saguaro_tile_bytes(int bits) {
-    return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : bits == 8 ? 544 : bits == NL4 ? 288 : 1024;
+    return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : bits == 8 ? 544 : bits == NL4 || bits == SYM4 ? 288 : 1024;
 }
 
 /* One row's group of activations, rounded to 8 bits. */
@@ -157,7 +161,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         const int second_chain = bits == 6 || R <= 4; /* 6-bit: one chain per half, scaled apart */
         __m512i dots[MAX_ROWS][2];
         for (int r = 0; r < R; r++) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
-        if (bits == 4 || bits == 5 || bits == 6 || bits == NL4) {
+        if (bits == 4 || bits == 5 || bits == 6 || bits == NL4 || bits == SYM4) {
             for (int u = 0; u < 4; u++) {
                 __m512i w = _mm512_loadu_si512((const void *)(tile + 64 * u));
                 __m512i first = _mm512_and_si512(w, nibble);
@@ -209,12 +213,13 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             }
             continue;
         }
-        const uint8_t *params = tile + (bits == 4 || bits == NL4 ? 256 : bits == 5 ? 320 : 512);
+        const uint8_t *params = tile + (bits == 4 || bits == NL4 || bits == SYM4 ? 256 : bits == 5 ? 320 : 512);
         const __m512 scale = halves(params);
         for (int r = 0; r < R; r++) {
             const QuantizedGroup *x = xq + r * groups + g;
             __m512i dot = second_chain ? _mm512_add_epi32(dots[r][0], dots[r][1]) : dots[r][0];
             if (bits == 8 || bits == NL4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->qsum));  /* the codes' +128 */
+            if (bits == SYM4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * x->qsum));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(x->d)), acc[r]);
             if (bits == 4 || bits == 5) acc[r] = _mm512_fmadd_ps(halves(params + 32), _mm512_set1_ps(x->d_qsum), acc[r]);
         }
@@ -281,7 +286,7 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
                 case 2: CASE(B, 2); break; default: CASE(B, 1); break; \
             }
             if (b == 16) tile_column_bf16(R, tiles_of_column, x + r0 * in_features, in_features, result);
-            else if (b == NL4) { ROWS_OF(NL4) }
+            else if (b == NL4) { ROWS_OF(NL4) } else if (b == SYM4) { ROWS_OF(SYM4) }
             else if (b == 4) { ROWS_OF(4) } else if (b == 5) { ROWS_OF(5) } else if (b == 6) { ROWS_OF(6) } else { ROWS_OF(8) }
 #undef ROWS_OF
 #undef CASE

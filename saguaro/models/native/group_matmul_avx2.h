@@ -144,7 +144,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         __m256i dots[MAX_ROWS][2][2];
         for (int r = 0; r < R; r++)
             for (int h = 0; h < 2; h++) dots[r][h][0] = dots[r][h][1] = _mm256_setzero_si256();
-        if (bits == 4 || bits == 5 || bits == 6 || bits == NL4) {
+        if (bits == 4 || bits == 5 || bits == 6 || bits == NL4 || bits == SYM4) {
             for (int u = 0; u < 4; u++) {
                 __m256i first[2], second[2];
                 for (int h = 0; h < 2; h++) codes_of(bits, tile, u, h, first + h, second + h);
@@ -192,11 +192,13 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                 }
                 continue;
             }
-            const uint8_t *params = tile + (bits == 4 || bits == NL4 ? 256 : bits == 5 ? 320 : 512) + 16 * h;
+            const uint8_t *params = tile + (bits == 4 || bits == NL4 || bits == SYM4 ? 256 : bits == 5 ? 320 : 512) + 16 * h;
             const __m256 scale = halves(params);
             for (int r = 0; r < R; r++) {
                 const QuantizedGroup *x = xq + r * groups + g;
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h][0]), _mm256_mul_ps(scale, _mm256_set1_ps(x->d)), acc[r][h]);
+                const __m256i dot = bits == SYM4 ? _mm256_sub_epi32(dots[r][h][0], _mm256_set1_epi32(8 * x->qsum))
+                                                 : dots[r][h][0];
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(x->d)), acc[r][h]);
                 if (bits == 4 || bits == 5)
                     acc[r][h] = _mm256_fmadd_ps(halves(params + 32), _mm256_set1_ps(x->d_qsum), acc[r][h]);
             }

@@ -18,6 +18,7 @@
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
        IQ4_XS = 23 };
 #define NL4 104 /* group_matmul.c's IQ4 tile kind */
+#define SYM4 100 /* group_matmul.c's Q4_0 tile kind */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 typedef struct {
@@ -41,7 +42,8 @@ TARGET static inline void put_half(uint8_t *p, float v) {
 
 int saguaro_type_bits(int type) {
     switch (type) {
-        case Q4_0: case Q4_1: case Q4_K: return 4;
+        case Q4_0: return SYM4;
+        case Q4_1: case Q4_K: return 4;
         case Q5_0: case Q5_1: case Q5_K: return 5;
         case Q3_K: case Q6_K: return 6; /* Q3_K's codes -4..3 and sub-scales fit Q6_K's tiles */
         case Q8_0: return 8;
@@ -311,7 +313,7 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
                 }
         return 0;
     }
-    if (bits == 4 || bits == NL4) { /* the common case: bytes moved, not codes decoded */
+    if (bits == 4 || bits == NL4 || bits == SYM4) { /* the common case: bytes moved, not codes decoded */
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t column = 0; column < rows / TILE_OUT; column++) {
             for (int64_t g = 0; g < groups; g++) {
