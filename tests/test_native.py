@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -175,11 +176,16 @@ torch.save((native.build(), out), sys.argv[2])
 def test_the_avx2_build_computes_what_the_avx512_build_computes(tmp_path):
     """The two builds agree bit for bit on every integer kind (group_matmul_avx2.h says why), and
     the AVX2 build passes the arithmetic tests with their controls."""
+    from test_quantized import random_blocks
+
     codes, scales, lows = random_weights(960, 768, 4)
     four = native.pack4(codes, scales, lows)
     tiles = {4: four, native.SYM4: four[..., :288].contiguous(), native.NL4: four[..., :288].contiguous(),
              5: pack(5, *random_weights(960, 768, 5)), 6: native_tiles(random_q6(960, 768))[1],
              8: pack(8, *random_weights(960, 768, 8))}
+    for kind in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):  # records of whole blocks
+        blocks = random_blocks(kind, 960, 768, np.random.default_rng(0)).reshape(960, -1)
+        tiles[native.type_bits(kind)] = native.repack(kind, blocks, (960, 768))
     x = torch.randn(5, 768).bfloat16()
     torch.save((tiles, x), tmp_path / "in.pt")
     env = dict(os.environ, SAGUARO_NATIVE_BUILD="avx2")

@@ -106,10 +106,11 @@ KQUANT_SIZE = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hi
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q3_K, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-NATIVE_BITS = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6,  # types only saguaro's kernels run undequantized
+NATIVE_BITS = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: native.K6,  # types only saguaro's kernels run undequantized
                Q.Q3_K: 6, Q.IQ4_NL: native.NL4, Q.IQ4_XS: native.NL4}
 K_TYPES = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)  # gguf-py cannot quantize to these
 DECODED_TYPES = INT4_TYPES + (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)  # gguf_groups decodes these to codes (numpy)
+RECORD_TYPES = (Q.Q4_K, Q.Q6_K)  # in records of a 256-input block (K4, K6), which no Python packer writes
 TOKENS = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
 
 
@@ -212,8 +213,8 @@ def test_a_q4_k_m_file_runs_entirely_on_saguaros_kernels(source, tmp_path):
     file, reference = q4_k_m_files(source, tmp_path)
     model = loader.load_model(file, torch.bfloat16)
     assert model.native_layers is not None
-    assert model.layers[0].self_attn.qkv_proj.bits == 0 and model.layers[0].mlp.down_proj.bits == 6
-    assert isinstance(model.lm_head, GroupLinear) and model.lm_head.bits == 6
+    assert model.layers[0].self_attn.qkv_proj.bits == 0 and model.layers[0].mlp.down_proj.bits == native.K6
+    assert isinstance(model.lm_head, GroupLinear) and model.lm_head.bits == native.K6
     expected = saguaro_logits(loader.load_model(reference), TOKENS)
     tolerance = 0.02 * expected.abs().max()
     assert max_diff(saguaro_logits(model, TOKENS), expected) < tolerance
@@ -249,7 +250,8 @@ def test_greedy_sd_and_ssd_equal_ar_on_a_q4_k_m_file(source, tmp_path):
 
 
 @pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
-@pytest.mark.parametrize("kind", DECODED_TYPES + (Q.Q8_0,), ids=lambda kind: kind.name)
+@pytest.mark.parametrize("kind", [k for k in DECODED_TYPES + (Q.Q8_0,) if k not in RECORD_TYPES],
+                         ids=lambda kind: kind.name)
 def test_tiles_repacked_from_the_file_are_those_of_the_decoded_codes(kind, source, tmp_path):
     """repack.c reads the blocks where the file maps them; the same bytes as packing the codes
     gguf_groups decodes (checked against gguf-py below), also in another row order; its
@@ -266,6 +268,38 @@ def test_tiles_repacked_from_the_file_are_those_of_the_decoded_codes(kind, sourc
     assert torch.equal(blocks.dequantize(torch.bfloat16), blocks.dequantize().bfloat16())  # rounded as torch rounds
     # Control: the tiles of the rows in file order are not those of the reordered rows.
     assert not torch.equal(blocks.tiles(), native_tiles(groups.rows(order))[1][..., :tile_bytes])
+
+
+@pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+@pytest.mark.parametrize("kind", RECORD_TYPES, ids=lambda kind: kind.name)
+def test_k_quant_records_multiply_as_the_documented_arithmetic_of_their_codes(kind, source, tmp_path):
+    """Q4_K and Q6_K in records of a whole block (their scales held once, as the file holds
+    them): the products are group_matmul.c's arithmetic on the codes gguf_groups decodes
+    (checked against gguf-py), in the file's row order and another; the dequantized rows are
+    gguf-py's."""
+    from test_native import kernel_arithmetic, q6_arithmetic
+
+    file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
+    tensor = next(t for t in gguf.GGUFReader(str(file)).tensors if t.tensor_type == kind)
+    blocks, groups = loader.file_blocks(tensor), loader.gguf_groups(tensor)
+    x = torch.randn(5, blocks.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
+    x[3] = 0
+
+    def arithmetic(codes):
+        return q6_arithmetic(x, codes) if kind == Q.Q6_K else kernel_arithmetic(x, codes.codes, codes.scales, codes.lows)
+
+    order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
+    for weights, codes in ((blocks, groups), (blocks.rows(order), groups.rows(order))):
+        bits, tiles = native_tiles(weights)
+        assert bits == native.type_bits(kind)  # the file's density: 16 outputs x 32 inputs in TILE_BYTES
+        assert tiles.numel() == weights.shape[0] // 16 * (weights.shape[1] // 32) * native.TILE_BYTES[bits]
+        out = native.group_matmul(bits, tiles, x, weights.shape[0], torch.float32)
+        assert relative_error(out, arithmetic(codes)) < 1e-5
+    expected = torch.from_numpy(np.asarray(loader.dequantize_gguf(tensor), dtype=np.float32))
+    torch.testing.assert_close(blocks.dequantize(), expected, rtol=1e-6, atol=0)
+    # Control: the file's rows against the reordered codes are other products.
+    out = native.group_matmul(bits, blocks.tiles(), x, blocks.shape[0], torch.float32)
+    assert relative_error(out, arithmetic(groups.rows(order))) > 0.1
 
 
 @pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")

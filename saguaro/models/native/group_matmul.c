@@ -23,6 +23,13 @@
  *    one per output and half group (16 inputs): outputs 0-15 for inputs 0-15, then for 16-31;
  *    then 16 fp16 super-scales d. w = (code - 32) * scale * d. The two halves keep separate
  *    integer sums, combined in integers: d * x.d * sum_s scale_s * (dot_s - 32 qsum_s).
+ *  - K-quant records (Q4_K: kind K4; Q6_K: kind K6) hold a 256-input block of 16 outputs, its
+ *    8 groups' codes as the 4- and 6-bit records hold them, then what the file stores once per
+ *    block: K4, 2368 bytes: 8 x 256 code bytes, 8 x 16 six-bit sub-scales (a byte each, group
+ *    by group, outputs 0-15), 8 x 16 sub-mins, 16 fp16 d and 16 fp16 dmin, for
+ *    w = code * (d * scale) - dmin * min, both products exact in fp32; K6, 3360 bytes: 8 x 384
+ *    code bytes, 8 x 32 int8 sub-scales (as the 6-bit record's), 16 fp16 d. The files' own
+ *    densities (4.625 and 6.56 bits a weight) where per-group records took 5 and 7.
  *  - 8-bit, 544 bytes: 8 chunks of 64 bytes, byte 4j + t of chunk k holding output j's code for
  *    input 4k + t plus 128 (so unsigned); 16 fp16 scales (the low is zero).
  *  - symmetric 4-bit (Q4_0; kind SYM4), 288 bytes: the 4-bit record without its lows, a code c
@@ -49,6 +56,9 @@
 #define PREFETCH_TILES 8 /* how far ahead the codes are fetched while the current tile computes */
 #define NL4 104 /* the IQ4 tile kind (not a width: its codes are 4 bits) */
 #define SYM4 100 /* the Q4_0 tile kind: 4-bit codes offset by 8, no lows */
+#define K4 124 /* the Q4_K record kind */
+#define K6 126 /* the Q6_K record kind */
+#define BLOCK_GROUPS 8 /* groups in a K4 / K6 record: a K-quant's 256-input block */
 #define HEADER_BYTES 64
 #define MAX_PARTS 3
 
@@ -69,9 +79,14 @@ int saguaro_cpu_supported(void) {
 }
 #endif
 
+/* Bytes a kind takes per group of 32 inputs and 16 outputs (K4 and K6: their record's over 8). */
 int64_t saguaro_tile_bytes(int bits) {
-    return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : bits == 8 ? 544 : bits == NL4 || bits == SYM4 ? 288 : 1024;
+    return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : bits == 8 ? 544 : bits == NL4 || bits == SYM4 ? 288
+         : bits == K4 ? 296 : bits == K6 ? 420 : 1024;
 }
+
+/* The codes' layout a kind's groups share: K4's is the 4-bit record's, K6's the 6-bit one's. */
+static inline int code_width(int bits) { return bits == K4 ? 4 : bits == K6 ? 6 : bits; }
 
 /* One row's group of activations, rounded to 8 bits. */
 typedef struct {
@@ -150,18 +165,24 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t groups, float *sums_out) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
-    __m512 acc[MAX_ROWS];
+    const int width = code_width(bits), blocked = bits == K4 || bits == K6;
+    __m512 acc[MAX_ROWS], block_d = _mm512_setzero_ps(), block_neg_dmin = _mm512_setzero_ps(); /* K4, K6 */
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *tile = tiles + g * tile_bytes;
+        const uint8_t *record = tiles + (g / BLOCK_GROUPS) * BLOCK_GROUPS * tile_bytes; /* K4, K6 */
+        const uint8_t *tile = blocked ? record + (g % BLOCK_GROUPS) * (width == 4 ? 256 : 384) : tiles + g * tile_bytes;
+        if (blocked && g % BLOCK_GROUPS == 0) { /* the block's d (and -dmin), converted once */
+            block_d = halves(record + BLOCK_GROUPS * (width == 4 ? 256 : 384) + 2 * 128);
+            if (bits == K4) block_neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(record + 8 * 256 + 288));
+        }
         for (int64_t line = 0; line < tile_bytes; line += 64)
-            _mm_prefetch((const char *)tile + PREFETCH_TILES * tile_bytes + line, _MM_HINT_T0);
+            _mm_prefetch((const char *)tiles + (g + PREFETCH_TILES) * tile_bytes + line, _MM_HINT_T0);
         /* Integer sums, exact in any order: two chains per row where few rows leave the
          * multiplier idle, one where eight rows would run out of registers. */
-        const int second_chain = bits == 6 || R <= 4; /* 6-bit: one chain per half, scaled apart */
+        const int second_chain = width == 6 || R <= 4; /* 6-bit: one chain per half, scaled apart */
         __m512i dots[MAX_ROWS][2];
         for (int r = 0; r < R; r++) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
-        if (bits == 4 || bits == 5 || bits == 6 || bits == NL4 || bits == SYM4) {
+        if (width != 8) {
             for (int u = 0; u < 4; u++) {
                 __m512i w = _mm512_loadu_si512((const void *)(tile + 64 * u));
                 __m512i first = _mm512_and_si512(w, nibble);
@@ -173,13 +194,13 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                     first = _mm512_shuffle_epi8(table, first);
                     second = _mm512_shuffle_epi8(table, second);
                 }
-                if (bits == 5) {
+                if (width == 5) {
                     const __m512i one = _mm512_set1_epi8(0x01);
                     __m512i top = _mm512_srli_epi16(_mm512_loadu_si512((const void *)(tile + 256)), 2 * u);
                     first = _mm512_or_si512(first, _mm512_slli_epi16(_mm512_and_si512(top, one), 4));
                     second = _mm512_or_si512(second, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, 1), one), 4));
                 }
-                if (bits == 6) {
+                if (width == 6) {
                     const __m512i two = _mm512_set1_epi8(0x03);
                     __m512i top = _mm512_loadu_si512((const void *)(tile + 256 + 64 * (u >> 1)));
                     top = _mm512_srli_epi16(top, 4 * (u & 1));
@@ -200,10 +221,11 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                                                                     quad_of(xq[r * groups + g].q + 4 * k));
             }
         }
-        if (bits == 6) {
-            const __m512i scale0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tile + 384)));
-            const __m512i scale1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tile + 400)));
-            const __m512 d = halves(tile + 416);
+        if (width == 6) {
+            const uint8_t *subs = bits == K6 ? record + 8 * 384 + 32 * (g % BLOCK_GROUPS) : tile + 384;
+            const __m512i scale0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)subs));
+            const __m512i scale1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(subs + 16)));
+            const __m512 d = bits == K6 ? block_d : halves(tile + 416);
             for (int r = 0; r < R; r++) {
                 const QuantizedGroup *x = xq + r * groups + g;
                 __m512i first = _mm512_sub_epi32(dots[r][0], _mm512_set1_epi32(32 * x->half_qsum[0]));
@@ -214,14 +236,24 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             continue;
         }
         const uint8_t *params = tile + (bits == 4 || bits == NL4 || bits == SYM4 ? 256 : bits == 5 ? 320 : 512);
-        const __m512 scale = halves(params);
+        __m512 scale, low = _mm512_setzero_ps();
+        if (bits == K4) { /* d * sub-scale and -dmin * sub-min: 6-bit integers times fp16, exact in fp32 */
+            const uint8_t *at = record + 8 * 256 + 16 * (g % BLOCK_GROUPS);
+            const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at)));
+            const __m512 min = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + 128))));
+            scale = _mm512_mul_ps(sub, block_d);
+            low = _mm512_mul_ps(min, block_neg_dmin);
+        } else {
+            scale = halves(params);
+            if (bits == 4 || bits == 5) low = halves(params + 32);
+        }
         for (int r = 0; r < R; r++) {
             const QuantizedGroup *x = xq + r * groups + g;
             __m512i dot = second_chain ? _mm512_add_epi32(dots[r][0], dots[r][1]) : dots[r][0];
             if (bits == 8 || bits == NL4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->qsum));  /* the codes' +128 */
             if (bits == SYM4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * x->qsum));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(x->d)), acc[r]);
-            if (bits == 4 || bits == 5) acc[r] = _mm512_fmadd_ps(halves(params + 32), _mm512_set1_ps(x->d_qsum), acc[r]);
+            if (bits == 4 || bits == 5 || bits == K4) acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(x->d_qsum), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(sums_out + r * TILE_OUT, acc[r]);
@@ -287,6 +319,7 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
             }
             if (b == 16) tile_column_bf16(R, tiles_of_column, x + r0 * in_features, in_features, result);
             else if (b == NL4) { ROWS_OF(NL4) } else if (b == SYM4) { ROWS_OF(SYM4) }
+            else if (b == K4) { ROWS_OF(K4) } else if (b == K6) { ROWS_OF(K6) }
             else if (b == 4) { ROWS_OF(4) } else if (b == 5) { ROWS_OF(5) } else if (b == 6) { ROWS_OF(6) } else { ROWS_OF(8) }
 #undef ROWS_OF
 #undef CASE

@@ -98,7 +98,8 @@ TARGET static inline __m256i dot_signed(__m256i sum, __m256i codes, __m256i q) {
 }
 
 /* A chunk's codes for one half of the tile (outputs 8h .. 8h + 7): the first 16 inputs' and the
- * last 16's, widened to bytes as the kind's dots take them (IQ4: its table values, signed). */
+ * last 16's, widened to bytes as the kind's dots take them (IQ4: its table values, signed);
+ * bits is the kind's code_width. */
 TARGET static inline __attribute__((always_inline)) void codes_of(int bits, const uint8_t *tile, int u, int h,
                                                                   __m256i *first, __m256i *second) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -134,20 +135,28 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t groups, float *sums_out) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
-    __m256 acc[MAX_ROWS][2];
+    const int width = code_width(bits), blocked = bits == K4 || bits == K6;
+    __m256 acc[MAX_ROWS][2], block_d[2], block_neg_dmin[2]; /* K4, K6: per half */
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    block_d[0] = block_d[1] = block_neg_dmin[0] = block_neg_dmin[1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *tile = tiles + g * tile_bytes;
+        const uint8_t *record = tiles + (g / BLOCK_GROUPS) * BLOCK_GROUPS * tile_bytes; /* K4, K6 */
+        const uint8_t *tile = blocked ? record + (g % BLOCK_GROUPS) * (width == 4 ? 256 : 384) : tiles + g * tile_bytes;
+        if (blocked && g % BLOCK_GROUPS == 0) /* the block's d (and -dmin), converted once */
+            for (int h = 0; h < 2; h++) {
+                block_d[h] = halves(record + BLOCK_GROUPS * (width == 4 ? 256 : 384) + 2 * 128 + 16 * h);
+                if (bits == K4) block_neg_dmin[h] = _mm256_sub_ps(_mm256_setzero_ps(), halves(record + 8 * 256 + 288 + 16 * h));
+            }
         for (int64_t line = 0; line < tile_bytes; line += 64)
-            _mm_prefetch((const char *)tile + PREFETCH_TILES * tile_bytes + line, _MM_HINT_T0);
+            _mm_prefetch((const char *)tiles + (g + PREFETCH_TILES) * tile_bytes + line, _MM_HINT_T0);
         /* per row and half: one int32 sum; 6-bit codes keep their two 16-input halves apart */
         __m256i dots[MAX_ROWS][2][2];
         for (int r = 0; r < R; r++)
             for (int h = 0; h < 2; h++) dots[r][h][0] = dots[r][h][1] = _mm256_setzero_si256();
-        if (bits == 4 || bits == 5 || bits == 6 || bits == NL4 || bits == SYM4) {
+        if (width != 8) {
             for (int u = 0; u < 4; u++) {
                 __m256i first[2], second[2];
-                for (int h = 0; h < 2; h++) codes_of(bits, tile, u, h, first + h, second + h);
+                for (int h = 0; h < 2; h++) codes_of(width, tile, u, h, first + h, second + h);
                 for (int r = 0; r < R; r++) {
                     const int8_t *q = xq[r * groups + g].q;
                     const __m256i qa = quad_of(q + 4 * u), qb = quad_of(q + 16 + 4 * u);
@@ -155,7 +164,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                         if (bits == NL4) {
                             dots[r][h][0] = dot_signed(dots[r][h][0], first[h], qa);
                             dots[r][h][0] = dot_signed(dots[r][h][0], second[h], qb);
-                        } else if (bits == 6) {
+                        } else if (width == 6) {
                             dots[r][h][0] = dot_unsigned(dots[r][h][0], first[h], qa);
                             dots[r][h][1] = dot_unsigned(dots[r][h][1], second[h], qb);
                         } else {
@@ -179,10 +188,11 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             }
         }
         for (int h = 0; h < 2; h++) {
-            if (bits == 6) {
-                const __m256i scale0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 384 + 8 * h)));
-                const __m256i scale1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 400 + 8 * h)));
-                const __m256 d = halves(tile + 416 + 16 * h);
+            if (width == 6) {
+                const uint8_t *subs = (bits == K6 ? record + 8 * 384 + 32 * (g % BLOCK_GROUPS) : tile + 384) + 8 * h;
+                const __m256i scale0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)subs));
+                const __m256i scale1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(subs + 16)));
+                const __m256 d = bits == K6 ? block_d[h] : halves(tile + 416 + 16 * h);
                 for (int r = 0; r < R; r++) {
                     const QuantizedGroup *x = xq + r * groups + g;
                     const __m256i first = _mm256_sub_epi32(dots[r][h][0], _mm256_set1_epi32(32 * x->half_qsum[0]));
@@ -193,14 +203,24 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                 continue;
             }
             const uint8_t *params = tile + (bits == 4 || bits == NL4 || bits == SYM4 ? 256 : bits == 5 ? 320 : 512) + 16 * h;
-            const __m256 scale = halves(params);
+            __m256 scale, low = _mm256_setzero_ps();
+            if (bits == K4) { /* as the AVX512 kernel: exact fp32 products */
+                const uint8_t *at = record + 8 * 256 + 16 * (g % BLOCK_GROUPS) + 8 * h;
+                const __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at)));
+                const __m256 min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(at + 128))));
+                scale = _mm256_mul_ps(sub, block_d[h]);
+                low = _mm256_mul_ps(min, block_neg_dmin[h]);
+            } else {
+                scale = halves(params);
+                if (bits == 4 || bits == 5) low = halves(params + 32);
+            }
             for (int r = 0; r < R; r++) {
                 const QuantizedGroup *x = xq + r * groups + g;
                 const __m256i dot = bits == SYM4 ? _mm256_sub_epi32(dots[r][h][0], _mm256_set1_epi32(8 * x->qsum))
                                                  : dots[r][h][0];
                 acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(x->d)), acc[r][h]);
-                if (bits == 4 || bits == 5)
-                    acc[r][h] = _mm256_fmadd_ps(halves(params + 32), _mm256_set1_ps(x->d_qsum), acc[r][h]);
+                if (bits == 4 || bits == 5 || bits == K4)
+                    acc[r][h] = _mm256_fmadd_ps(low, _mm256_set1_ps(x->d_qsum), acc[r][h]);
             }
         }
     }

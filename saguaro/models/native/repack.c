@@ -19,6 +19,8 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q
        IQ4_XS = 23 };
 #define NL4 104 /* group_matmul.c's IQ4 tile kind */
 #define SYM4 100 /* group_matmul.c's Q4_0 tile kind */
+#define K4 124 /* group_matmul.c's Q4_K record kind */
+#define K6 126 /* group_matmul.c's Q6_K record kind */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 typedef struct {
@@ -43,9 +45,11 @@ TARGET static inline void put_half(uint8_t *p, float v) {
 int saguaro_type_bits(int type) {
     switch (type) {
         case Q4_0: return SYM4;
-        case Q4_1: case Q4_K: return 4;
+        case Q4_1: return 4;
+        case Q4_K: return K4;
         case Q5_0: case Q5_1: case Q5_K: return 5;
-        case Q3_K: case Q6_K: return 6; /* Q3_K's codes -4..3 and sub-scales fit Q6_K's tiles */
+        case Q3_K: return 6; /* Q3_K's codes -4..3 and sub-scales fit Q6_K's per-group tiles */
+        case Q6_K: return K6;
         case Q8_0: return 8;
         case IQ4_NL: case IQ4_XS: return NL4;
         default: return 0;
@@ -164,23 +168,12 @@ TARGET static void decode_group(int type, const uint8_t *row, int64_t g, Group *
 
 /* The 4-bit types, fast: group g of a row as the 16 bytes a 4-bit tile holds for it (byte i:
  * code i in the low nibble, code 16 + i in the high), with its scale and low. Q4_0, Q4_1,
- * IQ4_NL and IQ4_XS store their codes so already; Q4_K pairs the nibbles of two bytes. */
+ * IQ4_NL and IQ4_XS store their codes so already. */
 TARGET static void decode_pairs(int type, const uint8_t *row, int64_t g, uint8_t pairs[16], float *scale, float *low) {
     const int64_t per_block = block_weights(type) / GROUP;
     const uint8_t *b = row + (g / per_block) * block_bytes(type);
     const int sb = (int)(g % per_block);
-    if (type == Q4_K) {
-        int sc, min;
-        k_scale_min(sb, b + 4, &sc, &min);
-        *scale = half_at(b) * (float)sc;
-        *low = -(half_at(b + 2) * (float)min);
-        const uint8_t *qs = b + 16 + 32 * (sb / 2);
-        const int shift = 4 * (sb % 2);
-        for (int i = 0; i < 16; i++)
-            pairs[i] = (uint8_t)(((qs[i] >> shift) & 15) | (((qs[16 + i] >> shift) & 15) << 4));
-        return;
-    }
-    *scale = half_at(b); /* the others: the codes' bytes as they are */
+    *scale = half_at(b);
     *low = type == Q4_0 ? -8.0f * *scale : type == Q4_1 ? half_at(b + 2) : 0.0f;
     if (type == IQ4_XS) {
         uint16_t high;
@@ -203,26 +196,27 @@ TARGET static inline void put_nibble_pairs(const uint8_t *qs, int high, uint8_t 
     }
 }
 
-/* Q4_K, a block at a time: a row's 256-weight block as row j of its 8 consecutive tiles
- * (tile_bytes apart), with decode_pairs' results (the same products and roundings) and the
- * block's scales unpacked once. */
-TARGET static void q4_k_block_pairs(const uint8_t *b, uint8_t *tile, int64_t tile_bytes, int j) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    for (int sb = 0; sb < 8; sb++, tile += tile_bytes) {
+/* Q4_K: a row's 256-weight block as row j of its K4 record (group_matmul.c): each group's
+ * nibbles paired as a 4-bit tile pairs them, the six-bit sub-scales and mins a byte each, d
+ * and dmin as the file stores them. */
+TARGET static void q4_k_block_record(const uint8_t *b, uint8_t *record, int j) {
+    for (int sb = 0; sb < 8; sb++) {
         int sc, min;
         k_scale_min(sb, b + 4, &sc, &min);
-        put_nibble_pairs(b + 16 + 32 * (sb / 2), sb % 2, tile, j);
-        put_half(tile + 256 + 2 * j, d * (float)sc);
-        put_half(tile + 288 + 2 * j, -(dmin * (float)min));
+        put_nibble_pairs(b + 16 + 32 * (sb / 2), sb % 2, record + 256 * sb, j);
+        record[2048 + 16 * sb + j] = (uint8_t)sc;
+        record[2048 + 128 + 16 * sb + j] = (uint8_t)min;
     }
+    memcpy(record + 2304 + 2 * j, b, 2);
+    memcpy(record + 2336 + 2 * j, b + 2, 2);
 }
 
-/* Q6_K, a block at a time, as decode_group and write_tile would write it: row j of the 8 tiles
- * of a 256-weight block. A group's low nibbles pair up as Q4_K's do; its top two bits go four
- * to a byte. */
-TARGET static void q6_k_block_tiles(const uint8_t *b, uint8_t *tile, int64_t tile_bytes, int j) {
-    const float d = half_at(b + 208);
-    for (int sb = 0; sb < 8; sb++, tile += tile_bytes) {
+/* Q6_K: row j of a 256-weight block's K6 record, each group's codes as a 6-bit tile holds
+ * them (the low nibbles paired as Q4_K's are, the top two bits four to a byte), then the
+ * sub-scales and d. */
+TARGET static void q6_k_block_record(const uint8_t *b, uint8_t *record, int j) {
+    for (int sb = 0; sb < 8; sb++) {
+        uint8_t *tile = record + 384 * sb;
         const int n = sb / 4, i = sb % 4;
         const uint8_t *qh = b + 128 + 32 * n;
         put_nibble_pairs(b + 64 * n + (i & 1 ? 32 : 0), i >= 2, tile, j);
@@ -236,10 +230,10 @@ TARGET static void q6_k_block_tiles(const uint8_t *b, uint8_t *tile, int64_t til
                 }
             memcpy(tile + 256 + 64 * h + 4 * j, &top, 4);
         }
-        tile[384 + j] = b[192 + 2 * sb];
-        tile[400 + j] = b[192 + 2 * sb + 1];
-        put_half(tile + 416 + 2 * j, d);
+        record[3072 + 32 * sb + j] = b[192 + 2 * sb];
+        record[3072 + 32 * sb + 16 + j] = b[192 + 2 * sb + 1];
     }
+    memcpy(record + 3328 + 2 * j, b + 208, 2);
 }
 
 /* One tile (16 outputs x 32 inputs) from its 16 rows' decoded groups, laid out as
@@ -307,9 +301,9 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
                 for (int j = 0; j < TILE_OUT; j++) {
                     const int64_t r = column * TILE_OUT + j;
                     const uint8_t *b = data + (order ? order[r] : r) * row_bytes + block * block_bytes(type);
-                    uint8_t *tile = tiles + (column * groups + block * 8) * tile_bytes;
-                    if (type == Q4_K) q4_k_block_pairs(b, tile, tile_bytes, j);
-                    else q6_k_block_tiles(b, tile, tile_bytes, j);
+                    uint8_t *record = tiles + (column * groups + block * 8) * tile_bytes;
+                    if (type == Q4_K) q4_k_block_record(b, record, j);
+                    else q6_k_block_record(b, record, j);
                 }
         return 0;
     }
