@@ -5,9 +5,12 @@ older checkout's saguaro/models/native), the two builds taking turns in one proc
 
 The product is 8192 x 3072 (SmolLM3-3B's and Phi-4-mini's MLP widths), its tiles copied until
 they fill --megabytes and cycled, so that they come from memory as in a decode step. Codes
-are random; scales are 1.0 (fp16), so no denormals or NaNs slow the arithmetic.
+are random; scales are 1.0 (fp16) and sub-scales 1, bf16 weights 1.0, so no denormals or NaNs
+slow the arithmetic. Kinds: the widths 4, 5, 6 and 8, iq4, and the GGUF types with kinds of
+their own (q4_0, q4_k, q6_k), bf16.
 
     python benchmarks/tile_rows.py --bits 4,8 --rows 1,2,4,6,8 --threads 1
+    python benchmarks/tile_rows.py --bits q4_0,q4_k,q6_k,8,bf16 --rows 1
     python benchmarks/tile_rows.py --against ../old/saguaro/models/native
 """
 from __future__ import annotations
@@ -22,9 +25,13 @@ import torch
 
 from saguaro.models import native
 
-WIDTHS = {"4": 4, "5": 5, "6": 6, "8": 8, "iq4": 104}
-# where each tile kind keeps its fp16 (or, for 6-bit, int8 and fp16) parameters
-PARAMS = {4: (256, 320), 5: (320, 384), 6: (416, 448), 8: (512, 544), 104: (256, 288)}
+WIDTHS = {"4": 4, "5": 5, "6": 6, "8": 8, "iq4": native.NL4, "q4_0": native.SYM4, "q4_k": native.K4,
+          "q6_k": native.K6, "bf16": 16}
+# where each kind keeps its fp16 parameters (set to 1.0) and its integer sub-scales (set to 1), in a
+# tile or, for the K-quants, in a record of 8 groups
+PARAMS = {4: (256, 320), 5: (320, 384), 6: (416, 448), 8: (512, 544), native.NL4: (256, 288), native.SYM4: (256, 288),
+          native.K4: (2304, 2368), native.K6: (3328, 3360), 16: (0, 1024)}
+SUB_SCALES = {6: (384, 416), native.K4: (2048, 2304), native.K6: (3072, 3328)}
 
 
 def load(folder: Path) -> ctypes.CDLL:
@@ -36,12 +43,15 @@ def load(folder: Path) -> ctypes.CDLL:
 
 
 def random_tiles(bits: int, out_features: int, in_features: int) -> torch.Tensor:
-    tile_bytes = native.library().saguaro_tile_bytes(bits)
-    tiles = torch.randint(0, 256, (out_features // 16, in_features // 32, tile_bytes), dtype=torch.uint8)
+    groups = 8 if bits in (native.K4, native.K6) else 1  # a record's
+    tile_bytes = native.library().saguaro_tile_bytes(bits) * groups
+    tiles = torch.randint(0, 256, (out_features // 16, in_features // 32 // groups, tile_bytes), dtype=torch.uint8)
+    if bits in SUB_SCALES:
+        start, end = SUB_SCALES[bits]
+        tiles[..., start:end] = 1
     start, end = PARAMS[bits]
-    if bits == 6:  # int8 scales of the half groups, then fp16 d
-        tiles[..., 384:416] = 1
-    tiles[..., start:end] = torch.full(((end - start) // 2,), 1.0, dtype=torch.float16).view(torch.uint8)
+    one = torch.tensor(1.0, dtype=torch.bfloat16 if bits == 16 else torch.float16)
+    tiles[..., start:end] = one.repeat((end - start) // 2).view(torch.uint8)
     return tiles
 
 
