@@ -90,12 +90,21 @@ def test_group_products_compute_the_documented_arithmetic(bits, shape):
     assert relative_error(wrong, kernel_arithmetic(x, codes, scales, lows)) > 0.1
 
 
-@pytest.mark.parametrize("bits", [4, native.SYM4, 5, 6, 8, 16])
+def record_tiles(kind: gguf.GGMLQuantizationType, out_features: int, in_features: int) -> torch.Tensor:
+    """A K-quant's records (K4, K6) repacked from random blocks of the type."""
+    from test_quantized import random_blocks
+
+    blocks = random_blocks(kind, out_features, in_features, np.random.default_rng(0)).reshape(out_features, -1)
+    return native.repack(kind, blocks, (out_features, in_features))
+
+
+@pytest.mark.parametrize("bits", [4, native.SYM4, 5, 6, 8, 16, native.K4, native.K6])
 def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(bits):
     if bits == 16 and not native.bf16_available():
         pytest.skip("no bf16 kernel on this CPU")
+    records = {native.K4: gguf.GGMLQuantizationType.Q4_K, native.K6: gguf.GGMLQuantizationType.Q6_K}
     tiles = native_tiles(random_q6(960, 768))[1] if bits == 6 else native.pack16(torch.randn(960, 768)) if bits == 16 \
-        else pack(bits, *random_weights(960, 768, bits))
+        else record_tiles(records[bits], 960, 768) if bits in records else pack(bits, *random_weights(960, 768, bits))
     x = torch.randn(300, 768).bfloat16()
     alone = torch.cat([native.group_matmul(bits, tiles, x[i:i + 1], 960) for i in range(len(x))])
     for rows in (2, 3, 4, 5, 6, 7, 9, 16, 33, 300):
@@ -176,16 +185,13 @@ torch.save((native.build(), out), sys.argv[2])
 def test_the_avx2_build_computes_what_the_avx512_build_computes(tmp_path):
     """The two builds agree bit for bit on every integer kind (group_matmul_avx2.h says why), and
     the AVX2 build passes the arithmetic tests with their controls."""
-    from test_quantized import random_blocks
-
     codes, scales, lows = random_weights(960, 768, 4)
     four = native.pack4(codes, scales, lows)
     tiles = {4: four, native.SYM4: four[..., :288].contiguous(), native.NL4: four[..., :288].contiguous(),
              5: pack(5, *random_weights(960, 768, 5)), 6: native_tiles(random_q6(960, 768))[1],
              8: pack(8, *random_weights(960, 768, 8))}
     for kind in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):  # records of whole blocks
-        blocks = random_blocks(kind, 960, 768, np.random.default_rng(0)).reshape(960, -1)
-        tiles[native.type_bits(kind)] = native.repack(kind, blocks, (960, 768))
+        tiles[native.type_bits(kind)] = record_tiles(kind, 960, 768)
     x = torch.randn(5, 768).bfloat16()
     torch.save((tiles, x), tmp_path / "in.pt")
     env = dict(os.environ, SAGUARO_NATIVE_BUILD="avx2")
