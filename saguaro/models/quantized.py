@@ -248,7 +248,7 @@ class Int4Linear(QuantizedLinear):
         super().__init__(*weights.shape, bias)
         self.compute_dtype = dtype
         self.native = native.available() and native.fits(*weights.shape)
-        self.bits = None  # what decoder_layer.c reads (saguaro.models.native): 4, SYM4, or 0 for parts
+        self.bits = None  # what decoder_layer.c reads (saguaro.models.native): a FOUR_BIT_KINDS kind, or 0 for parts
         if self.native:
             self.bits, packed = native_tiles(weights)
             self.register_buffer("packed", packed, persistent=False)
