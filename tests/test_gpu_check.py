@@ -32,6 +32,8 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(gpu_check, tmp_path):
     failed = {name: check for name, check in report["checks"].items() if not check.get("passed")}
     assert not failed and code == 0 and report["passed"]
     assert report["checks"]["greedy"]["sd_captured_passes"] > 0  # the target's passes ran captured
+    assert report["checks"]["greedy"]["ssd_draft_losses"] == 0
+    assert report["checks"]["speed"]["metrics"]["ssd"]["draft_losses"] == 0
     assert report["checks"]["exactness"]["control_pvalue"] < report["checks"]["exactness"]["alpha"]
     assert {"ar", "sd", "ssd", "auto"} <= set(report["checks"]["speed"]["tok_s"])
     assert len(report["checks"]["costs"]["what_if_batch1"]) == 6

@@ -52,7 +52,7 @@ class StepGraphs:
         self.model, self.mode = model, mode
         self.passes: dict[tuple[int, int, int, bool], StaticPass] = {}
         self.cache_address: int | None = None  # the keys tensor the graphs write into
-        self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None  # shared by all captures
+        self.pool = None  # the memory pool the captures share, made anew with each cache (see run)
         self.captures = self.replays = 0
 
     def slots_for(self, span: int, cache: KVCache) -> int:
@@ -68,8 +68,7 @@ class StepGraphs:
         """The model's hidden states [B, T, hidden] over cache rows `rows`; the inputs as
         LlamaModel.forward takes them (on any device), mask [B, T, span]."""
         if cache.keys.data_ptr() != self.cache_address:
-            self.passes.clear()  # graphs of a cache that is gone would write into freed memory
-            self.cache_address = cache.keys.data_ptr()
+            self._forget(cache)
         (B, T), span = tokens.shape, mask.shape[-1]
         by_index = rows != list(range(B))
         key = (B, T, self.slots_for(span, cache), by_index)
@@ -91,6 +90,15 @@ class StepGraphs:
             static.hidden = self._forward(static, cache)
         self.replays += 1
         return static.hidden.clone()  # the next replay of any graph may overwrite it
+
+    def _forget(self, cache: KVCache) -> None:
+        """Drops the graphs of a cache that is gone (they would write into freed memory). Their
+        pool goes with them: once its last graph is freed, PyTorch's allocator frees the pool, and
+        a capture into its old handle fails an internal assert (what the first run on a GPU met
+        in the SSD worker, whose cache grows as requests arrive)."""
+        self.passes.clear()
+        self.cache_address = cache.keys.data_ptr()
+        self.pool = torch.cuda.graph_pool_handle() if self.mode == "cuda" else None
 
     def _buffers(self, rows: int, tokens: int, slots: int, by_index: bool) -> StaticPass:
         device = self.model.device
