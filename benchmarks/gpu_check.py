@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,12 +203,29 @@ def check_exactness(args, plan: Plan) -> dict:
 
 def decode_rate(llm: LLM, prompts: list, new_tokens: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: every shape the timed run meets is captured
     synchronize(str(llm.target.device))
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     synchronize(str(llm.target.device))
     return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - started)
+
+
+def host_waits_per_round(llm: LLM, prompt: str) -> float | None:
+    """The times a batch-1 round waits for the device (what torch's sync debug mode sees: a
+    transfer to the host, a blocking copy), per round; the goal is one. None off CUDA."""
+    if llm.target.device.type != "cuda":
+        return None
+    rounds = llm.metrics()["spec_decode_num_rounds"]
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    waits = [w for w in caught if "synchroniz" in str(w.message).lower() and "prototype" not in str(w.message)]
+    return len(waits) / max(1, llm.metrics()["spec_decode_num_rounds"] - rounds)
 
 
 def transformers_rate(args, prompt: str, new_tokens: int) -> float:
@@ -233,6 +251,7 @@ def check_speed(args, plan: Plan, budget: Budget) -> dict:
     prompts = [p for p in PROMPTS if isinstance(p, str)]
     rates: dict[str, dict[int, float]] = {}
     figures: dict[str, dict] = {}  # each engine's metrics: hit rate, tokens a round, worker losses
+    waits: dict[str, float | None] = {}
     configurations = [("ar", {}), ("ar_variant", {"batch_invariant": False}), ("sd", {}), ("ssd", {}), ("auto", {})]
     for name, options in configurations:
         if budget.left() < 20:
@@ -246,9 +265,12 @@ def check_speed(args, plan: Plan, budget: Budget) -> dict:
                 rates[name][batch] = decode_rate(llm, (prompts * batch)[:batch], plan.new_tokens)
                 say(f"speed {name} batch {batch}: {rates[name][batch]:.1f} tok/s")
             figures[name] = {k: v for k, v in llm.metrics().items() if isinstance(v, (int, float))}
+            waits[name] = host_waits_per_round(llm, prompts[0])
+            if waits[name] is not None:
+                say(f"speed {name}: {waits[name]:.2f} waits for the device a round")
             if figures[name].get("draft_losses"):
                 say(f"speed {name}: the draft worker was lost {figures[name]['draft_losses']} times")
-    result = {"tok_s": rates, "metrics": figures}
+    result = {"tok_s": rates, "metrics": figures, "host_waits_per_round": waits}
     if budget.left() > 20:
         result["transformers_batch1_tok_s"] = transformers_rate(args, prompts[0], plan.new_tokens)
         say(f"speed transformers generate batch 1: {result['transformers_batch1_tok_s']:.1f} tok/s")

@@ -67,8 +67,8 @@ def run_pass(model: LlamaModel, cache: KVCache, rows: list[int], tokens: torch.T
         return graphs.run(cache, rows, tokens, positions, slots, mask)
     device = model.device
     if device.type != "cpu":  # on the CPU each call, even one that moves nothing, runs cold after a pass
-        tokens, positions, slots, mask = (t.to(device) for t in (tokens, positions, slots, mask))
-    rows_t = None if rows == list(range(len(rows))) else torch.tensor(rows, device=device)
+        tokens, positions, slots, mask = (t.to(device, non_blocking=True) for t in (tokens, positions, slots, mask))
+    rows_t = None if rows == list(range(len(rows))) else torch.tensor(rows).to(device, non_blocking=True)
     extra = {} if features is None else {"features": features}
     return model(tokens, positions, cache, rows=rows_t, slots=slots, mask=mask, **extra)
 
@@ -78,7 +78,7 @@ def last_hidden(hidden: torch.Tensor, chunks: list[list[int]]) -> torch.Tensor:
     lengths = {len(c) for c in chunks}
     if len(lengths) == 1:  # one operation (a decode step's usual case) instead of three
         return hidden[:, lengths.pop() - 1]
-    last = torch.tensor([len(c) - 1 for c in chunks], device=hidden.device)
+    last = torch.tensor([len(c) - 1 for c in chunks]).to(hidden.device, non_blocking=True)
     return hidden[torch.arange(len(chunks), device=hidden.device), last]
 
 

@@ -65,9 +65,10 @@ class WarpParams:
 
     @classmethod
     def of(cls, params: list[SamplingParams], device="cpu") -> "WarpParams":
-        return cls(torch.tensor([p.temperature for p in params], device=device),
-                   torch.tensor([p.top_k for p in params], device=device),
-                   torch.tensor([p.top_p for p in params], device=device),
+        def column(values: list) -> torch.Tensor:  # a copy that does not wait for the device's queue
+            return torch.tensor(values).to(device, non_blocking=True)
+        return cls(column([p.temperature for p in params]), column([p.top_k for p in params]),
+                   column([p.top_p for p in params]),
                    all(p.greedy for p in params), any(p.greedy for p in params),
                    any(p.top_k > 0 or p.top_p < 1 for p in params))
 

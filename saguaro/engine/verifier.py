@@ -21,7 +21,7 @@ def sample_next(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         return logits.argmax(-1).tolist()
     params = WarpParams.of([s.params for s in seqs], logits.device)
     probs = warp(logits, params)
-    u = uniforms([s.generator for s in seqs], 1)[:, 0].to(logits.device)
+    u = uniforms([s.generator for s in seqs], 1)[:, 0].to(logits.device, non_blocking=True)
     return sample(probs, u).tolist()
 
 
@@ -90,10 +90,10 @@ class Verifier:
         draft_tokens, draft_probs = proposal.tokens, proposal.probs
         B, K = draft_tokens.shape
         device = self.target.device
-        draft_tokens = draft_tokens.to(device)
+        draft_tokens = draft_tokens.to(device, non_blocking=True)
         starts = [len(s) - 1 for s in seqs]
         if self.device_side:
-            last = torch.tensor([s.token_ids[-1] for s in seqs]).to(device)
+            last = torch.tensor([s.token_ids[-1] for s in seqs]).to(device, non_blocking=True)
             hidden = forward_chunks(self.target, self.cache, self._rows(seqs),
                                     torch.cat((last[:, None], draft_tokens), 1), starts)
         else:
@@ -111,8 +111,8 @@ class Verifier:
                 if draft_probs is None:
                     draft_probs = point_masses(draft_tokens, self.target.config.vocab_size)
                 target_probs = warp(logits.flatten(0, 1), params).view(B, K + 1, -1)
-                u = uniforms([s.generator for s in seqs], K + 1).to(device)
-                accepted_len, bonus = verify(draft_tokens, draft_probs.to(device), target_probs, u[:, :K], u[:, K])
+                u = uniforms([s.generator for s in seqs], K + 1).to(device, non_blocking=True)
+                accepted_len, bonus = verify(draft_tokens, draft_probs.to(device, non_blocking=True), target_probs, u[:, :K], u[:, K])
             # the round's one wait for the device: everything the host needs, in one transfer
             host = torch.cat((draft_tokens, accepted_len[:, None], bonus[:, None]), 1).tolist()
             drafts = [row[:K] for row in host]

@@ -149,9 +149,9 @@ def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[l
     device = model.device
     B, k = len(chunks), shape.topk
     hidden = last_hidden(forward_chunks(model, cache, rows, chunks, starts), chunks)[:, None]
-    inverse_t = torch.tensor([1 / t if t > 0 else 1.0 for t in temperatures], device=device)[:, None, None]
+    inverse_t = torch.tensor([1 / t if t > 0 else 1.0 for t in temperatures]).to(device, non_blocking=True)[:, None, None]
     ends = [s + len(c) for s, c in zip(starts, chunks)]  # the first slot after each row's text
-    rows_t = None if rows == list(range(B)) else torch.tensor(rows, device=device)
+    rows_t = None if rows == list(range(B)) else torch.tensor(rows).to(device, non_blocking=True)
     tokens, parents, scores = [], [], []  # per depth: [B, nodes of that depth]
     frontier = torch.full((B, 1), -1, device=device)  # the nodes run last (pool indices; -1: the root)
     frontier_scores = torch.zeros(B, 1, device=device)
@@ -182,9 +182,9 @@ def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[l
                 seen += [(i, j, slot) for slot in lines[i][node]]
         mask[tuple(torch.tensor(seen).T)] = True
         node_tokens = torch.cat(tokens, 1).gather(1, frontier)
-        positions = torch.tensor([[e + depth] * k for e in ends], device=device)
-        hidden = model(node_tokens, positions, cache, rows=rows_t, slots=torch.tensor(slots, device=device),
-                       mask=mask.to(device))
+        positions = torch.tensor([[e + depth] * k for e in ends]).to(device, non_blocking=True)
+        hidden = model(node_tokens, positions, cache, rows=rows_t, slots=torch.tensor(slots).to(device, non_blocking=True),
+                       mask=mask.to(device, non_blocking=True))
     return pick_nodes(torch.cat(tokens, 1).tolist(), torch.cat(parents, 1).tolist(),
                       torch.cat(scores, 1).tolist(), shape.num_nodes)
 
@@ -251,7 +251,7 @@ class DraftModelDrafter(Drafter):
         device = self.model.device
         params = WarpParams.of([s.params for s in seqs], device)
         # greedy drafts draw nothing (a greedy sequence never samples from its stream)
-        u = None if params.all_greedy else uniforms([s.generator for s in seqs], self.k).to(device)
+        u = None if params.all_greedy else uniforms([s.generator for s in seqs], self.k).to(device, non_blocking=True)
         result = autoregressive_draft(self.model, self.kv_cache, self.rows[[s.seq_id for s in seqs]], chunks,
                                       starts, params, self.k, u, self.reshape,
                                       self.features_for(seqs, starts, [len(s.token_ids) for s in seqs]))

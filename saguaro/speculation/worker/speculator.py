@@ -195,7 +195,7 @@ class Speculator:
         return params.repeat(repeat) if repeat > 1 else params
 
     def _uniforms(self, seqs: list[DraftSequence], n: int) -> torch.Tensor:
-        return uniforms([s.generator for s in seqs], n).to(self.draft.device)
+        return uniforms([s.generator for s in seqs], n).to(self.draft.device, non_blocking=True)
 
     # --- filling the cache ----------------------------------------------------------------
 
@@ -247,7 +247,7 @@ class Speculator:
         """Branches: accepted length j repeated fan_out[j] times, and for each request the top
         fan_out[j] tokens at position j+1, its own proposal there excluded. [B, branches]."""
         logits = logits.clone()
-        spec = torch.tensor([s.spec for s in seqs], device=logits.device)
+        spec = torch.tensor([s.spec for s in seqs]).to(logits.device, non_blocking=True)
         logits[:, : self.k].scatter_(-1, spec[..., None], float("-inf"))
         branch_len, tokens = [], []
         for j, f in enumerate(self.fan_out):
@@ -263,8 +263,8 @@ class Speculator:
         with each bonus candidate the glue's output before it, then its own outputs."""
         B, NB = first.shape
         k, device = self.k, self.draft.device
-        committed = torch.tensor([len(s.token_ids) for s in seqs], device=device)  # n
-        accepted = torch.tensor(branch_len, device=device)  # [NB]
+        committed = torch.tensor([len(s.token_ids) for s in seqs]).to(device, non_blocking=True)  # n
+        accepted = torch.tensor(branch_len).to(device, non_blocking=True)  # [NB]
         base = committed + k  # first tree slot of each row
         prefix_end = committed[:, None] - 1 + accepted[None]  # last linear slot each branch sees
         params = self._warp_params(seqs, NB)
