@@ -44,6 +44,7 @@ from saguaro.models.kv_cache import new_cache  # noqa: E402
 from saguaro.models.llama import LlamaModel  # noqa: E402
 from saguaro.models.loader import load_model, load_tokenizer  # noqa: E402
 from saguaro.speculation.policy.auto import AutoPolicy  # noqa: E402
+from saguaro.speculation.policy.planning import HardwareProfile, forecast  # noqa: E402
 
 PROMPTS = [  # code and chat, written for this check (the datasets' packages may be missing there)
     "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
@@ -320,24 +321,14 @@ def pass_seconds(model: LlamaModel, batch: int, tokens: int, context: int, repea
 
 
 def what_if(target_s: dict[int, float], draft_s: dict[int, float], k: int = 5) -> list[dict]:
-    """tok/s a pair with these costs would reach at batch 1, by per-token acceptance a and SSD
-    hit rate h: AR = 1 / t_T(1); SD = E / (t_T(K+1) + K t_D(1)); SSD = E / (max(t_T(K+1),
-    K t_D(F)) + (1 - h) K t_D(1)), a miss drafting anew, F = 16 branches in the fill; E the
-    expected tokens a round commits, (1 - a^(K+1)) / (1 - a)."""
-    def cost(table: dict[int, float], rows: int) -> float:
-        known = sorted(table)
-        above = next((r for r in known if r >= rows), known[-1])
-        return table[above]
-
+    """What `saguaro plan --profile` forecasts at batch 1 for a pair with these costs, by per-token
+    acceptance a and SSD hit rate h (the worker on a device of its own)."""
     rows = []
     for a in (0.6, 0.7, 0.8):
-        expected = (1 - a ** (k + 1)) / (1 - a)
-        verify_s, step_s = cost(target_s, k + 1), cost(draft_s, 1)
-        sd = expected / (verify_s + k * step_s)
         for h in (0.6, 0.9):
-            ssd = expected / (max(verify_s, k * cost(draft_s, 16)) + (1 - h) * k * step_s)
-            rows.append({"acceptance": a, "hit_rate": h, "ar_tok_s": 1 / cost(target_s, 1), "sd_tok_s": sd,
-                         "ssd_tok_s": ssd, "ssd_over_sd": ssd / sd})
+            f = forecast(HardwareProfile("what-if", target_s, draft_s, [a] * k, h), 1)
+            rows.append({"acceptance": a, "hit_rate": h, "ar_tok_s": f.ar_tok_s, "sd_tok_s": f.sd_tok_s,
+                         "ssd_tok_s": f.ssd_tok_s, "ssd_over_sd": f.ssd_tok_s / f.sd_tok_s})
     return rows
 
 
@@ -362,6 +353,9 @@ def check_costs(args, plan: Plan, budget: Budget) -> dict:
                 torch.cuda.empty_cache()
     if result.get("target_pass_s") and result.get("draft_step_s"):
         result["what_if_batch1"] = what_if(result["target_pass_s"], result["draft_step_s"])
+        profile = {"name": f"{target_name} and {draft_name} on {args.device}", "target_pass_s": result["target_pass_s"],
+                   "draft_step_s": result["draft_step_s"], "acceptance": [0.7] * 5, "hit_rate": 0.86}
+        (Path(args.out) / "profile.json").write_text(json.dumps(profile, indent=1))  # for saguaro plan --profile
     result["passed"] = bool(result.get("what_if_batch1"))
     return result
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from saguaro.config import add_speculative_arguments, speculative_config_from_ar
 from saguaro.llm import add_llm_arguments, llm_from_args
 from saguaro.models import hub
 from saguaro.models.quantized import MODES
+from saguaro.speculation.policy.planning import HardwareProfile
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="prompts (sharegpt: held-out first turns) (default: %(default)s)")
     plan.add_argument("--max-tokens", type=int, default=64, help="per request and choice (default: %(default)s)")
     plan.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
+    plan.add_argument("--profile", type=Path, help="forecast for hardware saguaro is not running on, from this JSON "
+                      "of pass costs, acceptance and hit rate (benchmarks/profiles/); no model is loaded")
+    plan.add_argument("--acceptance", help="with --profile: per-token acceptance a, or a_1,...,a_K per position")
+    plan.add_argument("--hit-rate", type=float, help="with --profile: SSD's cache hit rate")
     add_llm_arguments(plan)
     commands.add_parser("serve", add_help=False,
                         help="serve a model over an OpenAI-compatible HTTP API (saguaro serve --help)")
@@ -134,12 +140,28 @@ def run_plan(args: argparse.Namespace) -> int:
     from saguaro.datasets import humaneval_prompts, sharegpt_first_turns
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    if args.profile is not None:
+        print(plan.forecast_markdown(read_hardware_profile(args), batch_sizes))
+        return 0
     texts = humaneval_prompts() if args.dataset == "humaneval" else sharegpt_first_turns("heldout", limit=max(batch_sizes))
     llm = llm_from_args(args)
     prompts = [llm.encode([{"role": "user", "content": t}]) for t in texts[:max(batch_sizes)]]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     print(plan.markdown(plan.plan(llm, prompts, batch_sizes, params)))
     return 0
+
+
+def read_hardware_profile(args: argparse.Namespace) -> HardwareProfile:
+    try:
+        data = json.loads(args.profile.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{args.profile} is not JSON: {e}") from None
+    if args.acceptance:
+        rates = [float(a) for a in args.acceptance.split(",")]
+        data["acceptance"] = rates if len(rates) > 1 else rates * len(data.get("acceptance") or [0] * 5)
+    if args.hit_rate is not None:
+        data["hit_rate"] = args.hit_rate
+    return HardwareProfile.from_json(data)
 
 
 def run_generate(args: argparse.Namespace) -> None:

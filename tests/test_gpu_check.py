@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from saguaro.cli import main
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
 
 
@@ -37,14 +39,14 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(gpu_check, tmp_path):
     assert report["checks"]["exactness"]["control_pvalue"] < report["checks"]["exactness"]["alpha"]
     assert {"ar", "sd", "ssd", "auto"} <= set(report["checks"]["speed"]["tok_s"])
     assert len(report["checks"]["costs"]["what_if_batch1"]) == 6
+    assert main(["plan", "--profile", str(tmp_path / "profile.json")]) == 0  # the planner reads what it left
 
 
-def test_what_if_follows_its_formulas(gpu_check):
-    target = {1: 0.010, 6: 0.012}
-    draft = {1: 0.001, 16: 0.002}
+def test_what_if_is_the_planners_forecast(gpu_check):
+    from saguaro.speculation.policy.planning import HardwareProfile, forecast
+
+    target, draft = {1: 0.010, 6: 0.012}, {1: 0.001, 16: 0.002}
     rows = gpu_check.what_if(target, draft, k=5)
-    first = rows[0]  # a = 0.6, h = 0.6
-    expected = (1 - 0.6 ** 6) / 0.4
-    assert first["ar_tok_s"] == pytest.approx(100.0)
-    assert first["sd_tok_s"] == pytest.approx(expected / (0.012 + 5 * 0.001))
-    assert first["ssd_tok_s"] == pytest.approx(expected / (max(0.012, 5 * 0.002) + 0.4 * 5 * 0.001))
+    assert [(r["acceptance"], r["hit_rate"]) for r in rows] == [(a, h) for a in (0.6, 0.7, 0.8) for h in (0.6, 0.9)]
+    f = forecast(HardwareProfile("x", target, draft, [0.7] * 5, 0.9), 1)
+    assert rows[3]["ssd_tok_s"] == pytest.approx(f.ssd_tok_s) and rows[3]["sd_tok_s"] == pytest.approx(f.sd_tok_s)

@@ -5,6 +5,10 @@ it measured at the batch sizes before (a forecast: nothing at this size is measu
 each choice runs for real on the same prompts, and its measured rate stands beside the
 prediction. The last column is the controller's choice once everything is measured. SSD is
 among the choices where its draft has hardware of its own (the plan waits for its worker).
+
+With a profile of hardware saguaro is not running on (`--profile FILE`: the models' pass costs
+there, the pair's acceptance and hit rate), it forecasts AR, SD and SSD instead, per batch
+size and per device, with the batch size b* from which SSD's fast backup wins.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
 from saguaro.speculation.policy.auto import AutoPolicy, Option
+from saguaro.speculation.policy.planning import HardwareProfile, critical_batch_size, forecast
 
 
 @dataclass
@@ -73,3 +78,22 @@ def markdown(rows: list[PlanRow]) -> str:
                               "(its target on the cores its worker leaves); predicted: from the other batch sizes' " \
                               "measurements, before this size ran; measured: committed tokens per second of decoding " \
                               "rounds.\n"
+
+
+def forecast_markdown(profile: HardwareProfile, batch_sizes: list[int]) -> str:
+    lines = [f"{profile.name}: acceptance {', '.join(f'{a:.2f}' for a in profile.acceptance)}, "
+             f"hit rate {profile.hit_rate:.2f} at fan-out {profile.fan_out} (r = {profile.power_law_r}), link {profile.link_s * 1e3:.2f} ms, "
+             f"devices {profile.target_devices} (target) + {profile.draft_devices} (SSD's draft)", "",
+             "| batch | AR tok/s | SD tok/s (K) | SSD tok/s (backup, F, T_p) | SSD / SD | per device: AR / SD / SSD |",
+             "|---|---|---|---|---|---|"]
+    for batch in batch_sizes:
+        f = forecast(profile, batch)
+        ar, sd, ssd = f.per_device()
+        lines.append(f"| {batch} | {f.ar_tok_s:.1f} | {f.sd_tok_s:.1f} ({f.sd_k}) | {f.ssd_tok_s:.1f} "
+                     f"({f.ssd_backup}, {f.ssd_fan_out}, {f.ssd_t_p:.2f}) | {f.ssd_tok_s / f.sd_tok_s:.2f} | "
+                     f"{ar:.1f} / {sd:.1f} / {ssd:.1f} |")
+    b_star = critical_batch_size(profile)
+    lines += ["", f"b* (SSD's fast backup wins from here): {b_star if b_star is not None else 'above 256'}. "
+              "Totals over the batch; per device divides AR and SD by the target's devices, SSD by the "
+              "target's and the draft's. F: branches a sequence; T_p: the worker's fill / a verification (above 1: not hidden)."]
+    return "\n".join(lines) + "\n"

@@ -45,7 +45,6 @@ output equals AR's token for token (the target's numerics are batch-invariant).
 """
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import os
@@ -61,6 +60,7 @@ from saguaro.config import TreeShape
 from saguaro.engine.round import AR, Choice, Proposer, RoundRecord
 from saguaro.engine.sequence import Sequence
 from saguaro.speculation.local.proposer import DraftProposer
+from saguaro.speculation.policy.planning import EMA, RowCosts
 from saguaro.speculation.remote.proposer import RemoteProposer
 from saguaro.system import CoreShare, use_cores
 
@@ -69,7 +69,6 @@ Option = int | str | TreeShape  # K = 0..K_max, SSD, or SD with token trees of a
 
 HYSTERESIS = 0.05  # a switch needs this much more predicted throughput
 EXPLORE_WITHIN = 0.85  # an untried choice predicted at least this share of the best is tried once
-EMA = 0.2  # weight of a new measurement of a pass's cost
 DECAY = 0.95  # per round of a choice: its measured rate follows about its last 1 / (1 - DECAY) rounds
 PRIOR_ROUNDS = 4.0  # the prediction counts as this many rounds of measurement
 PRIOR_ACCEPTANCE = 0.7  # a_i before any draft token was verified
@@ -107,43 +106,6 @@ def batch_bucket(batch: int) -> int:
     11, 16, 23, 32, ...), so that a server whose batch drifts between 25 and 32 does not explore
     every size anew."""
     return batch if batch <= 4 else round(2 ** (round(2 * math.log2(batch)) / 2))
-
-
-class RowCosts:
-    """Seconds per pass as a function of the rows it runs: running means per row count,
-    interpolated linearly between them, flat below the smallest and proportional above the
-    largest (a pass never costs less than a smaller one). The first pass at a row count is a
-    warm-up and is not counted: a process's first passes run several times slower, and a cost
-    measured then would keep auto off that choice for good."""
-
-    def __init__(self):
-        self.rows: list[int] = []
-        self.seconds: list[float] = []
-        self.warmed: set[int] = set()
-
-    def add(self, rows: int, seconds: float) -> None:
-        if rows not in self.warmed:
-            self.warmed.add(rows)
-            return
-        i = bisect.bisect_left(self.rows, rows)
-        if i < len(self.rows) and self.rows[i] == rows:
-            self.seconds[i] += EMA * (seconds - self.seconds[i])
-        else:
-            self.rows.insert(i, rows)
-            self.seconds.insert(i, seconds)
-
-    def __call__(self, rows: int) -> float | None:
-        if not self.rows:
-            return None
-        i = bisect.bisect_left(self.rows, rows)
-        if i < len(self.rows) and self.rows[i] == rows:
-            return self.seconds[i]
-        if i == 0:
-            return self.seconds[0]
-        if i == len(self.rows):
-            return self.seconds[-1] * rows / self.rows[-1]
-        (r0, r1), (s0, s1) = self.rows[i - 1:i + 1], self.seconds[i - 1:i + 1]
-        return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
 
 
 @dataclass

@@ -6,9 +6,12 @@ in a batch one miss stalls everyone, which decides between the neural and the fa
 """
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from dataclasses import dataclass
+
+EMA = 0.2  # weight of a new measurement of a pass's cost
 
 
 def outcome_probs(a: float, k: int) -> list[float]:
@@ -100,3 +103,143 @@ class GeometricPlan:
         """Fill time grows about linearly with the branches (a larger batch means more of
         them), so scale the budget towards target_t_p, within 1..self.budget."""
         return max(1, min(self.budget, round(budget * self.target_t_p / max(t_p, 1e-6))))
+
+
+class RowCosts:
+    """Seconds per pass as a function of the rows it runs: running means per row count,
+    interpolated linearly between them, flat below the smallest and proportional above the
+    largest (a pass never costs less than a smaller one). The first pass at a row count is a
+    warm-up and is not counted: a process's first passes run several times slower, and a cost
+    measured then would keep auto off that choice for good."""
+
+    def __init__(self):
+        self.rows: list[int] = []
+        self.seconds: list[float] = []
+        self.warmed: set[int] = set()
+
+    @classmethod
+    def of(cls, table: dict[int, float]) -> "RowCosts":
+        """Costs known already (a profile's), warm at every row count."""
+        costs = cls()
+        costs.rows, costs.seconds = sorted(table), [table[r] for r in sorted(table)]
+        costs.warmed = set(costs.rows)
+        return costs
+
+    def add(self, rows: int, seconds: float) -> None:
+        if rows not in self.warmed:
+            self.warmed.add(rows)
+            return
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            self.seconds[i] += EMA * (seconds - self.seconds[i])
+        else:
+            self.rows.insert(i, rows)
+            self.seconds.insert(i, seconds)
+
+    def __call__(self, rows: int) -> float | None:
+        if not self.rows:
+            return None
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            return self.seconds[i]
+        if i == 0:
+            return self.seconds[0]
+        if i == len(self.rows):
+            return self.seconds[-1] * rows / self.rows[-1]
+        (r0, r1), (s0, s1) = self.rows[i - 1:i + 1], self.seconds[i - 1:i + 1]
+        return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+
+
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    """E_k = 1 + a_1 + a_1 a_2 + ... + a_1...a_k: the tokens a sequence's round of k drafts commits."""
+    total, run = 1.0, 1.0
+    for a in acceptance[:k]:
+        run *= a
+        total += run
+    return total
+
+
+@dataclass
+class HardwareProfile:
+    """What a forecast for hardware saguaro is not running on needs: the two models' measured
+    costs there, and the pair's acceptance and SSD cache hit rate (`saguaro plan --profile`)."""
+    name: str
+    target_pass_s: dict[int, float]  # the target's pass, by token rows (sequences x tokens each)
+    draft_step_s: dict[int, float]  # one draft step, by sequences
+    acceptance: list[float]  # a_1..a_K: draft position i accepted, given the ones before it were
+    hit_rate: float  # SSD: a sequence's round finds its outcome cached
+    fan_out: int = 16  # SSD: the most branches the worker may pre-draft per sequence; hit_rate is at this many
+    power_law_r: float = 0.5  # SSD: misses fall as F^-r with the fan-out F (Definition 11)
+    link_s: float = 0.0  # SSD: the exchange's share of a round that nothing hides
+    target_devices: int = 1
+    draft_devices: int = 1  # SSD's worker's, besides the target's
+
+    @classmethod
+    def from_json(cls, data: dict) -> "HardwareProfile":
+        known = set(cls.__dataclass_fields__)
+        if unknown := set(data) - known - {"notes"}:
+            raise ValueError(f"unknown profile fields {sorted(unknown)}; known: {sorted(known)}")
+        missing = {"name", "target_pass_s", "draft_step_s", "acceptance", "hit_rate"} - set(data)
+        if missing:
+            raise ValueError(f"a profile needs {sorted(missing)}")
+        fields = {k: v for k, v in data.items() if k in known}
+        for table in ("target_pass_s", "draft_step_s"):
+            fields[table] = {int(rows): float(s) for rows, s in data[table].items()}
+            if not fields[table] or min(fields[table].values()) <= 0:
+                raise ValueError(f"{table} needs positive seconds for at least one row count")
+        if not fields["acceptance"] or not all(0 <= a <= 1 for a in fields["acceptance"]):
+            raise ValueError("acceptance needs one rate in [0, 1] per draft position")
+        if not 0 <= fields["hit_rate"] <= 1:
+            raise ValueError("hit_rate must lie in [0, 1]")
+        return cls(**fields)
+
+
+@dataclass
+class Forecast:
+    """Predicted total tokens/s at one batch size, and what each method's choice was."""
+    batch: int
+    ar_tok_s: float
+    sd_tok_s: float
+    sd_k: int  # the K that SD does best with
+    ssd_tok_s: float
+    ssd_backup: str  # what SSD does on a miss: "neural" (draft anew) or "fast" (a cheap token)
+    ssd_fan_out: int  # the branches per sequence SSD does best with
+    ssd_t_p: float  # the worker's fill time / a verification: above 1 it is not hidden
+    devices: tuple[int, int]  # (AR's and SD's, SSD's)
+
+    def per_device(self) -> tuple[float, float, float]:
+        """AR, SD and SSD tokens/s per device: SSD is charged its worker's devices too."""
+        sd_devices, ssd_devices = self.devices
+        return self.ar_tok_s / sd_devices, self.sd_tok_s / sd_devices, self.ssd_tok_s / ssd_devices
+
+
+def forecast(profile: HardwareProfile, batch: int) -> Forecast:
+    """AR: b / t_T(b). SD: b E_k / (t_T(b (k + 1)) + k t_D(b)) at its best k <= K. SSD: Theorem 7
+    with Corollary 16's batch stall (SpeedModel): a round's verification t_T(b (K + 1)) plus the
+    link, the fill K t_D(b F), a neural miss drafting anew for K t_D(b), a fast one committing
+    about one token; at the fan-out F <= profile.fan_out and the backup that do best, the hit
+    rate following the power law from the profile's."""
+    target, draft = RowCosts.of(profile.target_pass_s), RowCosts.of(profile.draft_step_s)
+    k_max = len(profile.acceptance)
+    sd_rate = {k: batch * expected_tokens(profile.acceptance, k) / (target(batch * (k + 1)) + k * draft(batch))
+               for k in range(1, k_max + 1)}
+    sd_k = max(sd_rate, key=sd_rate.get)
+    verify = target(batch * (k_max + 1)) + profile.link_s
+    e_k = expected_tokens(profile.acceptance, k_max)
+    best = (0.0, "neural", 1, 0.0)
+    for fan_out in range(1, profile.fan_out + 1):
+        misses = (1 - profile.hit_rate) * (fan_out / profile.fan_out) ** -profile.power_law_r
+        model = SpeedModel(p_hit=max(0.0, 1 - misses), e_hit=e_k, e_neural=e_k, e_fast=1.0,
+                           t_p=k_max * draft(batch * fan_out) / verify, t_neural=k_max * draft(batch) / verify)
+        for backup in ("neural", "fast"):
+            rate = batch * model.speedup(batch, backup) / verify
+            if rate > best[0]:
+                best = (rate, backup, fan_out, model.t_p)
+    ssd_rate, backup, fan_out, t_p = best
+    return Forecast(batch, batch / target(batch), sd_rate[sd_k], sd_k, ssd_rate, backup, fan_out, t_p,
+                    (profile.target_devices, profile.target_devices + profile.draft_devices))
+
+
+def critical_batch_size(profile: HardwareProfile, max_batch: int = 256) -> int | None:
+    """b*: the smallest batch at which SSD does better with the fast backup (None: none up to max_batch)."""
+    return next((b for b in range(1, max_batch + 1) if forecast(profile, b).ssd_backup == "fast"), None)
