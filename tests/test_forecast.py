@@ -100,3 +100,27 @@ def test_plan_with_a_profile_prints_the_forecast_without_a_model(capsys, monkeyp
         f = forecast(p, batch)
         assert f"| {batch} | {f.ar_tok_s:.1f} | {f.sd_tok_s:.1f} ({f.sd_k}) | {f.ssd_tok_s:.1f} " in out
     assert "hit rate 0.70" in out and "b*" in out
+
+
+def test_plan_check_times_the_engines_rounds_and_forecasts_each_method(tmp_path, monkeypatch):
+    """benchmarks/plan_check.py end to end at CI's size: the rounds it times in the engines make
+    the profile (a broken timer leaves rows out), and each method gets a forecast beside its run."""
+    import importlib.util
+    import sys
+
+    benchmarks = PROFILES.parent
+    monkeypatch.syspath_prepend(str(benchmarks))
+    monkeypatch.syspath_prepend(str(benchmarks.parent / "tests"))
+    spec = importlib.util.spec_from_file_location("plan_check", benchmarks / "plan_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["plan_check.py", "--batch-sizes", "1", "--prompts", "2", "--max-tokens", "8",
+                                      "--repeats", "1", "--out", str(tmp_path)])
+    module.main()
+    report = json.loads((tmp_path / "plan_check.json").read_text())
+    assert {"1", str(module.K + 1)} <= set(report["target_side_in_engine_s"])  # AR's step and SD's verification
+    assert "1" in report["draft_step_in_engine_s"]
+    assert [r["method"] for r in report["rows"]] == ["ar", "sd", "ssd"]
+    assert all(r["measured_tok_s"] > 0 and r["forecast_tok_s"] > 0 for r in report["rows"])
+    from saguaro.engine.verifier import Verifier
+    assert Verifier.verify.__qualname__ == "Verifier.verify"  # the timer took its wrappers off
