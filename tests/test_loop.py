@@ -144,6 +144,16 @@ def test_speculation_cache_answers_one_outcome_per_round():
     assert cache.take(8, (0, 11)) is None
 
 
+def test_a_miss_says_whether_its_accepted_length_or_its_bonus_was_not_predicted():
+    cache = SpeculationCache()
+    cache.store(7, [(0, 11), (0, 13), (2, 12)], [[1], [2], [3]], None, None)
+    assert cache.miss_cause(7, (2, 12)) is None  # a hit
+    assert cache.miss_cause(7, (0, 14)) == "bonus"  # length 0 predicted, its bonus not
+    assert cache.miss_cause(7, (1, 11)) == "length"  # no branch after one accepted token
+    assert cache.miss_cause(8, (0, 11)) == "unfilled"
+    assert cache.take(7, (0, 14)) is None and cache.miss_cause(7, (0, 11)) == "unfilled"  # asking took nothing
+
+
 def test_speculation_counters_follow_each_rounds_outcomes():
     """SD over 64 tiny requests: the engine's vLLM-named counters and each request's acceptance
     lengths agree with the outcomes the rounds' records carry; an AR round counts no draft."""

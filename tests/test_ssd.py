@@ -559,8 +559,11 @@ def test_ssd_greedy_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy, bac
         outputs += ssd_llm.generate(prompts[i:i + batch], params, use_tqdm=False)
     mismatches = [i for i, out in enumerate(outputs) if out.token_ids != ar_greedy[i]]
     assert not mismatches, f"SSD differs from AR on prompts {mismatches}"
-    summary = ssd_of(ssd_llm.decoder).stats.summary()
+    stats = ssd_of(ssd_llm.decoder).stats
+    summary = stats.summary()
     assert summary["cache_hit_rate"] is not None and 0 < summary["cache_hit_rate"]
+    misses = sum(len(v) for v in stats.miss_lengths.values())  # every miss has its cause
+    assert misses > 0 and sum(summary[f"misses_{c}"] for c in ("bonus", "length", "unfilled")) == misses
 
 
 def test_ssd_with_prompt_lookup_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy):

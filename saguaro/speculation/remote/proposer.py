@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,7 @@ class SSDStats:
         default_factory=lambda: {"neural": [], "fast": []})
     t_p: list[float] = field(default_factory=list)
     shared_hits: int = 0  # hits on a branch another request drafted (worker/cache.py)
+    miss_causes: Counter = field(default_factory=Counter)  # misses by RequestSpeculation.miss
     drafted_tokens: int = 0  # draft tokens the worker decoded (its tree and neural backups)
     committed_tokens: int = 0  # tokens SSD rounds committed
 
@@ -66,6 +68,9 @@ class SSDStats:
             "target_wait_s_total": sum(self.wait_s),
             "target_wait_s_median": median(self.wait_s),
             "shared_branch_hits": self.shared_hits,
+            # where misses come from (a shared hit saves some): the accepted length predicted but
+            # not the bonus token, the accepted length not predicted, or no branches at all
+            **{f"misses_{cause}": self.miss_causes[cause] for cause in ("bonus", "length", "unfilled")},
             "draft_tokens_per_committed_token":
                 self.drafted_tokens / self.committed_tokens if self.committed_tokens else None,
         }
@@ -223,6 +228,8 @@ class RemoteProposer:
                 stats.lookup_hits += request.hit
             else:
                 (stats.hit_lengths if request.hit else stats.miss_lengths[backup]).append(outcome.accepted_len + 1)
+                if not request.hit:
+                    stats.miss_causes[request.miss] += 1
 
     def speed_model(self) -> SpeedModel:
         """The measured quantities of Theorem 7, with prior guesses where nothing was measured

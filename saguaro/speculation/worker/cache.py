@@ -56,6 +56,17 @@ class SpeculationCache:
         keys[i]); probs and features may be views of a batch's tensors."""
         self._requests[seq_id] = _Branches(dict(zip(outcomes, range(len(outcomes)))), tokens, probs, features, keys)
 
+    def miss_cause(self, seq_id: int, outcome: Outcome) -> str | None:
+        """Why this outcome would miss: "bonus" (branches after its accepted length, none for its
+        bonus token), "length" (no branch after its accepted length) or "unfilled" (no branches
+        for the request: its fill had not run); None: it would hit."""
+        branches = self._requests.get(seq_id)
+        if branches is None:
+            return "unfilled"
+        if outcome in branches.index:
+            return None
+        return "bonus" if any(o[0] == outcome[0] for o in branches.index) else "length"
+
     def take(self, seq_id: int, outcome: Outcome | None) -> Branch | None:
         """The branch drafted for this outcome (None: a miss). The request's other branches are
         left to `take_shared` until `end_round`."""

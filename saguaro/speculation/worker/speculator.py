@@ -146,6 +146,7 @@ class Speculator:
         seqs = [self.seqs[sid] for sid in seq_ids]
         self._keep_features(seq_ids, features)
         hits, probs = [], [None] * len(seqs)
+        causes = [None if o is None else self.cache.miss_cause(s.seq_id, o) for s, o in zip(seqs, outcomes)]
         for i, (seq, outcome) in enumerate(zip(seqs, outcomes)):
             branch = self.cache.take(seq.seq_id, outcome)
             if outcome is not None:
@@ -181,8 +182,8 @@ class Speculator:
             guesses = self.fast_backup.propose([seqs[i] for i in missed]).tokens.tolist()
             for i, guess in zip(missed, guesses):
                 seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
-        return [RequestSpeculation(seq.spec, probs[i], None if outcome is None else hits[i], i in looked, shared[i])
-                for i, (seq, outcome) in enumerate(zip(seqs, outcomes))]
+        return [RequestSpeculation(seq.spec, probs[i], None if outcome is None else hits[i], i in looked, shared[i],
+                                   causes[i]) for i, (seq, outcome) in enumerate(zip(seqs, outcomes))]
 
     def _sigma(self, position: int, probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Saguaro sampling for draft position `position` (0-based): a rejection there is the
