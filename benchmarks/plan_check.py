@@ -167,7 +167,8 @@ def main() -> None:
         prompts = bench_prompts(llm, "sharegpt", BenchConfig(num_prompts=args.prompts, seed=7))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     runs, in_engine, draft_in_engine = run_methods(batch_sizes, prompts, params, args.repeats)
-    print("in the engines (ms): the target's side of a round by rows", {r: round(s * 1e3, 2) for r, s in in_engine.items()},
+    print("in the engines (ms): the target's side of a round by rows",
+          {r: round(s * 1e3, 2) for r, s in in_engine.items()},
           "a draft step by sequences", {r: round(s * 1e3, 2) for r, s in draft_in_engine.items()})
     draft_s = draft_s | draft_in_engine  # the fill's larger row counts only timed alone
     rows = []
@@ -175,7 +176,8 @@ def main() -> None:
     for batch in batch_sizes:
         sd, ssd = runs["sd"][batch]["metrics"], runs["ssd"][batch]["metrics"]
         profile = HardwareProfile("this machine, one core each", in_engine, draft_s, acceptance(sd),
-                                  hit_rate=ssd.get("cache_hit_rate") or 0.0, link_s=ssd.get("target_wait_s_median") or 0.0)
+                                  hit_rate=ssd.get("cache_hit_rate") or 0.0,
+                                  link_s=ssd.get("target_wait_s_median") or 0.0)
         f = forecast(profile, batch, sd_ks=[K])
         ssd_profile = replace(profile, acceptance=acceptance(ssd))  # the worker's drafts, accepted as measured
         f_ssd = forecast(ssd_profile, batch)

@@ -112,7 +112,8 @@ class Verifier:
                     draft_probs = point_masses(draft_tokens, self.target.config.vocab_size)
                 target_probs = warp(logits.flatten(0, 1), params).view(B, K + 1, -1)
                 u = uniforms([s.generator for s in seqs], K + 1).to(device, non_blocking=True)
-                accepted_len, bonus = verify(draft_tokens, draft_probs.to(device, non_blocking=True), target_probs, u[:, :K], u[:, K])
+                accepted_len, bonus = verify(draft_tokens, draft_probs.to(device, non_blocking=True), target_probs,
+                                             u[:, :K], u[:, K])
             # the round's one wait for the device: everything the host needs, in one transfer
             host = torch.cat((draft_tokens, accepted_len[:, None], bonus[:, None]), 1).tolist()
             drafts = [row[:K] for row in host]

@@ -149,7 +149,8 @@ def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[l
     device = model.device
     B, k = len(chunks), shape.topk
     hidden = last_hidden(forward_chunks(model, cache, rows, chunks, starts), chunks)[:, None]
-    inverse_t = torch.tensor([1 / t if t > 0 else 1.0 for t in temperatures]).to(device, non_blocking=True)[:, None, None]
+    inverse_t = torch.tensor([1 / t if t > 0 else 1.0 for t in temperatures]).to(device, non_blocking=True)
+    inverse_t = inverse_t[:, None, None]
     ends = [s + len(c) for s, c in zip(starts, chunks)]  # the first slot after each row's text
     rows_t = None if rows == list(range(B)) else torch.tensor(rows).to(device, non_blocking=True)
     tokens, parents, scores = [], [], []  # per depth: [B, nodes of that depth]
@@ -183,7 +184,8 @@ def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[l
         mask[tuple(torch.tensor(seen).T)] = True
         node_tokens = torch.cat(tokens, 1).gather(1, frontier)
         positions = torch.tensor([[e + depth] * k for e in ends]).to(device, non_blocking=True)
-        hidden = model(node_tokens, positions, cache, rows=rows_t, slots=torch.tensor(slots).to(device, non_blocking=True),
+        hidden = model(node_tokens, positions, cache, rows=rows_t,
+                       slots=torch.tensor(slots).to(device, non_blocking=True),
                        mask=mask.to(device, non_blocking=True))
     return pick_nodes(torch.cat(tokens, 1).tolist(), torch.cat(parents, 1).tolist(),
                       torch.cat(scores, 1).tolist(), shape.num_nodes)

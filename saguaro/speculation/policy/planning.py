@@ -1,8 +1,11 @@
-"""How many bonus-token candidates to cache per accepted length, and which backup to use.
+"""How many bonus-token candidates to cache per accepted length, which backup to use, and what
+AR, SD and SSD would reach on hardware with given pass costs.
 
 The formulas are the paper's (docs/DESIGN.md, "The theory the planner uses"): cache misses fall as a power law in
 fan-out, 1 - p_hit(F) = F^-r; under a branch budget the optimal fan-out is capped geometric;
 in a batch one miss stalls everyone, which decides between the neural and the fast backup.
+`forecast` puts them together with measured pass costs (`RowCosts`, which auto's controller
+keeps too) for `saguaro plan --profile`.
 """
 from __future__ import annotations
 
