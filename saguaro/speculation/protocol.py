@@ -126,7 +126,7 @@ class Speculation:
     """Worker -> target: the requests' speculations, in the order asked."""
     requests: list[RequestSpeculation]
     fill_time_s: float = 0.0  # time the worker spent filling the cache in the previous round
-    backup_time_s: float = 0.0  # time spent on misses in this reply
+    backup_time_s: float = 0.0  # the worker's time from the outcomes to this reply (lookups, backups on misses)
     drafted_tokens: int = 0  # draft tokens the worker decoded since its last reply (tree and backup)
 
 
@@ -175,6 +175,7 @@ def _proof(secret: str, role: bytes, nonce: bytes) -> bytes:
 
 
 PROOF_BYTES = 32
+FRAME_BYTES = 2048  # a message's first transfer: its length and as much of it as fits (a greedy round's whole)
 JOINED = "saguaro/joined"  # the store key a worker sets before it builds the group
 
 
@@ -198,7 +199,7 @@ class Channel:
         self.rank, self.peer = rank, 1 - rank
         self.device = torch.device(device)
         self.group = None
-        self.bytes_sent = self.bytes_received = 0  # pickled messages, what crosses the wire
+        self.bytes_sent = self.bytes_received = 0  # frames and the rest of longer messages: what crosses the wire
 
     @property
     def port(self) -> int:
@@ -275,28 +276,40 @@ class Channel:
 
     def send(self, message, timeout_s: float | None = None) -> None:
         """A send completes once the peer receives it: a peer that stopped would block it for
-        the group's whole timeout, hence timeout_s."""
+        the group's whole timeout, hence timeout_s. A message goes as a frame of FRAME_BYTES
+        (its length, then as much of it as fits) and, if longer, its rest: one transfer for
+        most of a round's messages, where each transfer costs a round trip (a length sent
+        ahead of every message took 0.8 ms a round trip on loopback, one frame 0.3 ms)."""
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-        payload = torch.frombuffer(bytearray(pickle.dumps(message, protocol=5)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        data = pickle.dumps(message, protocol=5)
+        frame = bytearray(FRAME_BYTES)
+        frame[:8] = len(data).to_bytes(8, "little")
+        frame[8:8 + min(len(data), FRAME_BYTES - 8)] = data[:FRAME_BYTES - 8]
+        transfers = [frame] + ([bytearray(data[FRAME_BYTES - 8:])] if len(data) > FRAME_BYTES - 8 else [])
         try:
-            self._wait(self.group.send([size.to(self.device)], self.peer, 0), timeout)
-            self._wait(self.group.send([payload.to(self.device)], self.peer, 1), timeout)
+            for tag, chunk in enumerate(transfers):
+                payload = torch.frombuffer(chunk, dtype=torch.uint8)
+                self._wait(self.group.send([payload.to(self.device)], self.peer, tag), timeout)
         except RuntimeError as e:
             raise DraftUnavailable(str(e)) from e
-        self.bytes_sent += payload.numel()
+        self.bytes_sent += sum(len(chunk) for chunk in transfers)
 
     def recv(self, timeout_s: float | None = None):
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8, device=self.device)
         try:
-            self._wait(self.group.recv([size], self.peer, 0), timeout)
-            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-            self._wait(self.group.recv([payload], self.peer, 1), timeout)
+            self._wait(self.group.recv([frame], self.peer, 0), timeout)
+            head = frame.cpu().numpy().tobytes()
+            size = int.from_bytes(head[:8], "little")
+            data, received = head[8:8 + min(size, FRAME_BYTES - 8)], FRAME_BYTES
+            if size > FRAME_BYTES - 8:
+                rest = torch.empty(size - (FRAME_BYTES - 8), dtype=torch.uint8, device=self.device)
+                self._wait(self.group.recv([rest], self.peer, 1), timeout)
+                data, received = data + rest.cpu().numpy().tobytes(), received + rest.numel()
         except RuntimeError as e:
             raise DraftUnavailable(str(e)) from e
-        self.bytes_received += payload.numel()
-        return pickle.loads(payload.cpu().numpy().tobytes())
+        self.bytes_received += received
+        return pickle.loads(data)
 
     def close(self) -> None:
         """Drops the group and the store, which frees the port for a new rendezvous. After a

@@ -44,6 +44,9 @@ class SSDStats:
     backup_s: dict[str, list[float]] = field(  # worker time on misses, per round with one
         default_factory=lambda: {"neural": [], "fast": []})
     t_p: list[float] = field(default_factory=list)
+    answer_s: list[float] = field(default_factory=list)  # the worker's time from an outcome to its reply
+    # the rest of the target's wait in rounds whose fill fitted the verification: messages both ways
+    exchange_s: list[float] = field(default_factory=list)
     shared_hits: int = 0  # hits on a branch another request drafted (worker/cache.py)
     miss_causes: Counter = field(default_factory=Counter)  # misses by RequestSpeculation.miss
     drafted_tokens: int = 0  # draft tokens the worker decoded (its tree and neural backups)
@@ -67,6 +70,8 @@ class SSDStats:
             "fill_s_median": median(self.fill_s),
             "target_wait_s_total": sum(self.wait_s),
             "target_wait_s_median": median(self.wait_s),
+            "worker_answer_s_median": median(self.answer_s),
+            "exchange_s_median": median(self.exchange_s),
             "shared_branch_hits": self.shared_hits,
             # where misses come from (a shared hit saves some): the accepted length predicted but
             # not the bonus token, the accepted length not predicted, or no branches at all
@@ -213,6 +218,9 @@ class RemoteProposer:
         if stats.verify_s and spec.fill_time_s > 0:
             stats.fill_s.append(spec.fill_time_s)
             stats.t_p.append(spec.fill_time_s / stats.verify_s[-1])
+            if spec.fill_time_s <= stats.verify_s[-1]:  # the worker was waiting when the outcome came
+                stats.exchange_s.append(max(0.0, wait_s - spec.backup_time_s))
+        stats.answer_s.append(spec.backup_time_s)
         stats.verify_s.append(verify_s)
         stats.wait_s.append(wait_s)
         stats.shared_hits += sum(r.shared for r in spec.requests)
