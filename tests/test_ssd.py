@@ -924,3 +924,28 @@ def test_a_replacement_killed_while_it_starts_is_replaced_at_once(with_ssd, llm,
     assert after["draft_losses"] == after["draft_restarts"] == 1
     children = worker_children()  # one snapshot: a live worker's state changes between reads
     assert set(children) == {third.pid} and "Z" not in children.values()
+
+
+def test_the_wire_carries_messages_of_every_length_around_its_frame():
+    """A message shorter than a frame goes in one transfer, a longer one in two: each length
+    around the boundary (and far past it) arrives whole, in order."""
+    import threading
+
+    from saguaro.speculation.protocol import FRAME_BYTES, Channel
+
+    engine = Channel("127.0.0.1", 0, 0, timeout_s=30)
+    worker = Channel("127.0.0.1", engine.port, 1, timeout_s=30)
+    joined = threading.Thread(target=worker.connect)
+    joined.start()
+    engine.connect()
+    joined.join()
+    messages = [bytes([n % 251]) * n for n in range(FRAME_BYTES - 40, FRAME_BYTES + 8)] + [b"y" * 100_000, b""]
+    echo = threading.Thread(target=lambda: [worker.send(worker.recv(timeout_s=30)) for _ in messages])
+    echo.start()
+    for message in messages:
+        engine.send(message, timeout_s=30)
+        assert engine.recv(timeout_s=30) == message
+    echo.join()
+    assert engine.bytes_sent == engine.bytes_received >= FRAME_BYTES * len(messages)
+    engine.close()
+    worker.close()
