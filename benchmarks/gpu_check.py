@@ -367,11 +367,17 @@ def environment(args) -> dict:
     if args.device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(args.device)
         info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(args.device)))
-    try:
-        info["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        info["commit"] = None
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    info["commit"] = git("rev-parse", "--short", "HEAD") or None
+    # a copy of a working tree may carry older git metadata than its files (as the device tool's did)
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    info["files_differ_from_commit"] = None if changed is None else bool(changed)
     return info
 
 
