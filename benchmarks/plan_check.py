@@ -13,7 +13,7 @@
    the worker's reply (the link's share of a round). No prompt lookup: the draft model alone.
 3. The forecast from the profile and each method's measured acceptance (SSD's worker drafts
    from its cache and is accepted otherwise than SD's draft) and hit rate, SD at the K it ran,
-   beside the runs.
+   beside the runs. DIR/profile.json keeps this machine's profile for `saguaro plan --profile`.
 
     python benchmarks/plan_check.py [--batch-sizes 1,4,8] [--prompts 8] [--max-tokens 64] [--repeats 2] [--out DIR]
 """
@@ -195,6 +195,14 @@ def main() -> None:
                                                           "target_side_in_engine_s": in_engine,
                                                           "draft_step_in_engine_s": draft_in_engine,
                                                           "rows": rows, "runs": runs}, indent=1, default=str))
+    # this machine's profile at the first batch size, for `saguaro plan --profile` to vary
+    first = batch_sizes[0]
+    sd, ssd = runs["sd"][first]["metrics"], runs["ssd"][first]["metrics"]
+    mine = {"name": "this machine: the target on one core, SSD's draft on another", "target_pass_s": in_engine,
+            "draft_step_s": draft_s, "acceptance": acceptance(sd), "hit_rate": ssd.get("cache_hit_rate") or 0.0,
+            "link_s": ssd.get("target_wait_s_median") or 0.0,
+            "notes": f"benchmarks/plan_check.py, acceptance and hit rate at batch {first}"}
+    (args.out / "profile.json").write_text(json.dumps(mine, indent=1))
 
 
 if __name__ == "__main__":

@@ -126,3 +126,4 @@ def test_plan_check_times_the_engines_rounds_and_forecasts_each_method(tmp_path,
     assert all(r["measured_tok_s"] > 0 and r["forecast_tok_s"] > 0 for r in report["rows"])
     from saguaro.engine.verifier import Verifier
     assert Verifier.verify.__qualname__ == "Verifier.verify"  # the timer took its wrappers off
+    assert main(["plan", "--profile", str(tmp_path / "profile.json")]) == 0  # this machine's profile reads back
