@@ -1,0 +1,45 @@
+"""Issue 35's headline comparison: does SSD's extra core pay? SD with its target and draft on one
+core against SSD with its target on one core and its worker on the other, both at their
+defaults, taking turns prompt by prompt on held-out chat and HumanEval prompts; decode tok/s
+medians and the median of the paired ratios.
+
+    python benchmarks/ssd_vs_sd.py [--temperature 0] [--prompts 8] [--max-tokens 128]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from saguaro import LLM, SamplingParams
+from saguaro.bench.runner import BenchConfig, bench_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+    engines = {"sd": LLM(method="sd", num_threads=1), "ssd": LLM(method="ssd")}
+    try:
+        for dataset in ("sharegpt", "humaneval"):
+            prompts = bench_prompts(engines["sd"], dataset, BenchConfig(num_prompts=args.prompts, seed=7))
+            for llm in engines.values():
+                llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+            rates: dict[str, list[float]] = {name: [] for name in engines}
+            for prompt in prompts:
+                for name, llm in engines.items():
+                    rates[name].append(llm.generate([prompt], params, use_tqdm=False)[0].metrics.decode_tokens_per_s)
+            ratios = [ssd / sd for sd, ssd in zip(rates["sd"], rates["ssd"])]
+            print(f"{dataset}, T = {args.temperature}: SD {statistics.median(rates['sd']):.1f}, SSD "
+                  f"{statistics.median(rates['ssd']):.1f} tok/s; SSD / SD {statistics.median(ratios):.2f} "
+                  f"({min(ratios):.2f}-{max(ratios):.2f}); SSD's hit rate so far "
+                  f"{engines['ssd'].metrics().get('cache_hit_rate') or 0:.2f}", flush=True)
+    finally:
+        for llm in engines.values():
+            llm.close()
+
+
+if __name__ == "__main__":
+    main()
