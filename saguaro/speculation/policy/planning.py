@@ -216,14 +216,13 @@ class Forecast:
         return self.ar_tok_s / sd_devices, self.sd_tok_s / sd_devices, self.ssd_tok_s / ssd_devices
 
 
-def forecast(profile: HardwareProfile, batch: int, fan_outs: list[int] | None = None,
-             sd_ks: list[int] | None = None) -> Forecast:
+def forecast(profile: HardwareProfile, batch: int, sd_ks: list[int] | None = None) -> Forecast:
     """AR: b / t_T(b). SD: b E_k / (t_T(b (k + 1)) + k t_D(b)) at its best k <= K. SSD: Theorem 7
     with Corollary 16's batch stall (SpeedModel): a round's verification t_T(b (K + 1)) plus the
     link, the fill K t_D(b F), a neural miss drafting anew for K t_D(b), a fast one committing
     about one token; at the fan-out F <= profile.fan_out and the backup that do best, the hit
-    rate following the power law from the profile's. fan_outs and sd_ks: only these F and k (what
-    an engine ran, to check the forecast against it)."""
+    rate following the power law from the profile's. sd_ks: only these k (what an engine ran, to
+    check the forecast against it)."""
     target, draft = RowCosts.of(profile.target_pass_s), RowCosts.of(profile.draft_step_s)
     k_max = len(profile.acceptance)
     sd_rate = {k: batch * expected_tokens(profile.acceptance, k) / (target(batch * (k + 1)) + k * draft(batch))
@@ -232,7 +231,7 @@ def forecast(profile: HardwareProfile, batch: int, fan_outs: list[int] | None = 
     verify = target(batch * (k_max + 1)) + profile.link_s
     e_k = expected_tokens(profile.acceptance, k_max)
     best = (0.0, "neural", 1, 0.0)
-    for fan_out in fan_outs or range(1, profile.fan_out + 1):
+    for fan_out in range(1, profile.fan_out + 1):
         misses = (1 - profile.hit_rate) * (fan_out / profile.fan_out) ** -profile.power_law_r
         model = SpeedModel(p_hit=max(0.0, 1 - misses), e_hit=e_k, e_neural=e_k, e_fast=1.0,
                            t_p=k_max * draft(batch * fan_out) / verify, t_neural=k_max * draft(batch) / verify)
