@@ -6,8 +6,9 @@ turns prompt by prompt on held-out prompts (HumanEval and ShareGPT alternating),
 that every prompt decodes --max-tokens; a first round warms both up and is dropped. Per file
 and thread count: the median decode tok/s of each engine and the ratio of the medians, the
 first position where the two engines' greedy tokens differ on each prompt, and the bytes of
-weights a saguaro decode step reads (bandwidth.py's count) with the GB/s that makes, as a share of
-the machine's read limit at that thread count (bandwidth.py's read_bandwidth, measured first).
+weights each engine's decode step reads (bandwidth.py's counts) with the GB/s that makes, as a
+share of the machine's read limit at that thread count (bandwidth.py's read_bandwidth, measured
+before every round: this VM's limit moves by a third within an hour).
 
 Making the files: the 135m shape re-quantizes the default model (a Q4_1 file with a Q8_0
 embedding, so every type of it carries Q4_1's rounding); bigger shapes are written first as an
@@ -250,8 +251,9 @@ def time_file(path: Path, threads: list[int], prompt_count: int, max_tokens: int
         torch.set_num_threads(count)
         llama = peers.load_llamacpp(path, count, context)
         rates = {"saguaro": [], "llama.cpp": []}
-        differences = []
+        differences, limits = [], []
         for i, prompt in enumerate([prompts[0]] + prompts):  # the first round warms both up and is dropped
+            limits.append(read_bandwidth(repeats=3))  # it drifts within minutes: measured beside each round
             ours = llm.generate(prompt, params, use_tqdm=False)[0]
             theirs = peers.generate_llamacpp(llama, [prompt], params)[0]
             if i:
@@ -264,6 +266,7 @@ def time_file(path: Path, threads: list[int], prompt_count: int, max_tokens: int
         medians = {name: statistics.median(values) for name, values in rates.items()}
         result["threads"][count] = {"decode_tok_s": rates, "median_tok_s": medians,
                                     "ratio": medians["saguaro"] / medians["llama.cpp"],
+                                    "read_limit_gb_s": statistics.median(limits[1:]),
                                     "first_difference": differences}
         tqdm.write(f"{result['label']}, {count} thread(s): saguaro {medians['saguaro']:.1f} tok/s, "
                    f"llama.cpp {medians['llama.cpp']:.1f} tok/s")
@@ -273,8 +276,7 @@ def time_file(path: Path, threads: list[int], prompt_count: int, max_tokens: int
     return result
 
 
-def tables(results: list[dict], threads: list[int], prompt_count: int, max_tokens: int,
-           limits: dict[int, float]) -> str:
+def tables(results: list[dict], threads: list[int], prompt_count: int, max_tokens: int) -> str:
     plural = {count: "thread" if count == 1 else "threads" for count in threads}
     lines = [f"Decode tok/s, batch 1, greedy, {prompt_count} held-out prompts x {max_tokens} tokens (EOS ignored), "
              "medians; saguaro AR / llama.cpp on the same file and threads.", "",
@@ -287,18 +289,22 @@ def tables(results: list[dict], threads: list[int], prompt_count: int, max_token
             cells.append(f"{t['median_tok_s']['saguaro']:.1f} / {t['median_tok_s']['llama.cpp']:.1f} "
                          f"= {t['ratio']:.2f}x")
         lines.append(f"| {r['label']} | {r['bytes'] / 1e6:.0f} MB | " + " | ".join(cells) + " |")
-    lines += ["", "Weights read per token (saguaro: as its kernels hold them; llama.cpp: the file's tensors) and "
-              "saguaro's GB/s at its median rate, with its share of the read limit (" +
-              ", ".join(f"{limits[n]:.1f} GB/s on {n} {plural[n]}" for n in threads) +
-              "); the first position where the greedy tokens differ, per prompt.", "",
+    lines += ["", "Weights read per token (saguaro: as its kernels hold them; llama.cpp: the file's tensors); each "
+              "engine's GB/s at its median rate, as a share of the read limit given after \"of\" (the median of "
+              "read_bandwidth measured before each round); the first position where the greedy tokens differ, "
+              "per prompt.", "",
               "| file | saguaro MB/token | llama.cpp MB/token | "
-              + " | ".join(f"saguaro GB/s, {n} {plural[n]}" for n in threads) + " | "
+              + " | ".join(f"saguaro / llama.cpp GB/s, {n} {plural[n]}" for n in threads) + " | "
               + " | ".join(f"first difference, {n} {plural[n]}" for n in threads) + " |",
               "|---|---|---|" + "---|" * 2 * len(threads)]
     for r in results:
         per = [r["threads"][count] for count in threads]
-        rates = [r["saguaro_bytes_per_token"] * t["median_tok_s"]["saguaro"] / 1e9 for t in per]
-        gbs = [f"{rate:.1f} ({rate / limits[n]:.0%})" for rate, n in zip(rates, threads)]
+        gbs = []
+        for t in per:
+            ours = r["saguaro_bytes_per_token"] * t["median_tok_s"]["saguaro"] / 1e9
+            theirs = r["llamacpp_bytes_per_token"] * t["median_tok_s"]["llama.cpp"] / 1e9
+            limit = t["read_limit_gb_s"]
+            gbs.append(f"{ours:.1f} ({ours / limit:.0%}) / {theirs:.1f} ({theirs / limit:.0%}) of {limit:.1f}")
         diff = [", ".join("none" if d is None else str(d) for d in t["first_difference"]) for t in per]
         lines.append(f"| {r['label']} | {r['saguaro_bytes_per_token'] / 1e6:.1f} | "
                      f"{r['llamacpp_bytes_per_token'] / 1e6:.1f} | " + " | ".join(gbs + diff) + " |")
@@ -353,12 +359,8 @@ def main() -> None:
     if not files:
         parser.error(f"no .gguf files in {args.files}")
     quiet_llamacpp()
-    limits = {}
-    for count in args.threads:
-        torch.set_num_threads(count)
-        limits[count] = read_bandwidth()
     results = [time_file(path, args.threads, args.prompts, args.max_tokens) for path in files]
-    text = tables(results, args.threads, args.prompts, args.max_tokens, limits)
+    text = tables(results, args.threads, args.prompts, args.max_tokens)
     print(text)
     if args.out is not None:
         import llama_cpp
@@ -367,8 +369,7 @@ def main() -> None:
         (args.out / "gguf_types.md").write_text(text + "\n")
         environment = {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
                        "torch": torch.__version__, "llama_cpp_python": llama_cpp.__version__}
-        settings = {"threads": args.threads, "prompts": args.prompts, "max_tokens": args.max_tokens,
-                    "read_limit_gb_s": limits}
+        settings = {"threads": args.threads, "prompts": args.prompts, "max_tokens": args.max_tokens}
         (args.out / "gguf_types.json").write_text(json.dumps(
             {"settings": settings, "environment": environment, "results": results}, indent=1) + "\n")
 
