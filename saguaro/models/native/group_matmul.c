@@ -166,10 +166,10 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
     const int width = code_width(bits), blocked = bits == K4 || bits == K6;
-    /* Lines fetched ahead of the group that reads them: the plain 4- and 8-bit kinds are left
-     * to the hardware's prefetcher (1.1x faster on one core, 1.7B decode steps, Q4_0 and Q8_0),
-     * the others 8 tiles ahead (a K4 / K6 record's parameters follow its codes). */
-    const int64_t prefetch_bytes = width == 4 && !blocked || bits == 8 ? 0 : PREFETCH_TILES * tile_bytes;
+    /* Tiles are fetched PREFETCH_TILES ahead, but for one row of the 4- and 8-bit kinds (not
+     * K4), which the hardware's prefetcher streams faster alone (tile_rows.py, one core, from
+     * memory: 1.1-1.2x at one row; left alone at six rows, 0.7x). */
+    const int prefetched = R > 1 || !(bits == 4 || bits == SYM4 || bits == NL4 || bits == 8);
     __m512 acc[MAX_ROWS], block_d = _mm512_setzero_ps(), block_neg_dmin = _mm512_setzero_ps(); /* K4, K6 */
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -179,10 +179,9 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             block_d = halves(record + BLOCK_GROUPS * (width == 4 ? 256 : 384) + 2 * 128);
             if (bits == K4) block_neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(record + 8 * 256 + 288));
         }
-        if (prefetch_bytes) /* each line once, prefetch_bytes ahead of the group that reads it */
-            for (uintptr_t a = ((uintptr_t)tiles + g * tile_bytes + prefetch_bytes + 63) & ~(uintptr_t)63;
-                 a < (uintptr_t)tiles + (g + 1) * tile_bytes + prefetch_bytes; a += 64)
-                _mm_prefetch((const char *)a, _MM_HINT_T0);
+        if (prefetched)
+            for (int64_t line = 0; line < tile_bytes; line += 64)
+                _mm_prefetch((const char *)tiles + (g + PREFETCH_TILES) * tile_bytes + line, _MM_HINT_T0);
         /* Integer sums, exact in any order: two chains per row where few rows leave the
          * multiplier idle, one where eight rows would run out of registers. */
         const int second_chain = width == 6 || R <= 4; /* 6-bit: one chain per half, scaled apart */
