@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "of pass costs, acceptance and hit rate (benchmarks/profiles/); no model is loaded")
     plan.add_argument("--acceptance", help="with --profile: per-token acceptance a, or a_1,...,a_K per position")
     plan.add_argument("--hit-rate", type=float, help="with --profile: SSD's cache hit rate")
+    plan.add_argument("--ssd-draft-cost", type=float, help="with --profile: SSD drafts with a draft of its own "
+                      "whose step costs this many times SD's draft's (its worker hides the cost)")
+    plan.add_argument("--ssd-acceptance", help="with --profile: that draft's acceptance, as --acceptance")
+    plan.add_argument("--ssd-hit-rate", type=float, help="with --profile: SSD's cache hit rate with that draft")
     add_llm_arguments(plan)
     commands.add_parser("serve", add_help=False,
                         help="serve a model over an OpenAI-compatible HTTP API (saguaro serve --help)")
@@ -157,11 +161,25 @@ def read_hardware_profile(args: argparse.Namespace) -> HardwareProfile:
     except json.JSONDecodeError as e:
         raise ValueError(f"{args.profile} is not JSON: {e}") from None
     if args.acceptance:
-        rates = [float(a) for a in args.acceptance.split(",")]
-        data["acceptance"] = rates if len(rates) > 1 else rates * len(data.get("acceptance") or [0] * 5)
+        data["acceptance"] = acceptance_rates(args.acceptance, data.get("acceptance"))
     if args.hit_rate is not None:
         data["hit_rate"] = args.hit_rate
+    if (args.ssd_draft_cost, args.ssd_acceptance, args.ssd_hit_rate) != (None, None, None):
+        ssd = data.get("ssd_draft") or {name: data.get(name) for name in ("draft_step_s", "acceptance", "hit_rate")}
+        if args.ssd_draft_cost is not None:
+            ssd["draft_step_s"] = {rows: s * args.ssd_draft_cost for rows, s in (ssd["draft_step_s"] or {}).items()}
+        if args.ssd_acceptance:
+            ssd["acceptance"] = acceptance_rates(args.ssd_acceptance, ssd["acceptance"])
+        if args.ssd_hit_rate is not None:
+            ssd["hit_rate"] = args.ssd_hit_rate
+        data["ssd_draft"] = ssd
     return HardwareProfile.from_json(data)
+
+
+def acceptance_rates(text: str, current: list[float] | None) -> list[float]:
+    """a_1,...,a_K, or one a for every position of the profile's K (5 where it has none)."""
+    rates = [float(a) for a in text.split(",")]
+    return rates if len(rates) > 1 else rates * len(current or [0] * 5)
 
 
 def run_generate(args: argparse.Namespace) -> None:

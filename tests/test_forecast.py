@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from saguaro.cli import main
-from saguaro.speculation.policy.planning import (HardwareProfile, critical_batch_size, expected_tokens, forecast)
+from saguaro.speculation.policy.planning import (HardwareProfile, SsdDraft, critical_batch_size, expected_tokens,
+                                                 forecast)
 
 PROFILES = Path(__file__).resolve().parent.parent / "benchmarks" / "profiles"
 
@@ -79,6 +80,8 @@ def test_the_paper_profile_forecasts_the_papers_ssd_within_ten_percent():
 @pytest.mark.parametrize("change, message", [
     ({"hit_rate": 1.5}, "hit_rate"), ({"acceptance": []}, "acceptance"), ({"draft_step_s": {"1": -1}}, "positive"),
     ({"fan_outs": 3}, "unknown profile fields"), ({"target_pass_s": None}, "needs"),
+    ({"ssd_draft": {"draft_step_s": {"1": 0.002}, "acceptance": [0.9], "hit_rate": 1.5}}, "hit_rate"),
+    ({"ssd_draft": {"draft_step_s": {"1": 0.002}, "acceptance": [0.9]}}, "an ssd_draft needs"),
 ])
 def test_bad_profiles_are_refused_plainly(change, message, tmp_path, capsys):
     data = json.loads((PROFILES / "h200-llama3-8b-1b.json").read_text()) | change
@@ -127,3 +130,36 @@ def test_plan_check_times_the_engines_rounds_and_forecasts_each_method(tmp_path,
     from saguaro.engine.verifier import Verifier
     assert Verifier.verify.__qualname__ == "Verifier.verify"  # the timer took its wrappers off
     assert main(["plan", "--profile", str(tmp_path / "profile.json")]) == 0  # this machine's profile reads back
+
+
+def test_ssd_can_draft_with_a_draft_of_its_own_while_sd_keeps_its_cheap_one():
+    base = profile(hit_rate=1.0)
+    same = profile(hit_rate=1.0, ssd_draft=SsdDraft(base.draft_step_s, base.acceptance, base.hit_rate))
+    assert forecast(same, 1) == forecast(base, 1)
+    # a draft twice as slow a step but right more often: SD is untouched, SSD's fill is still hidden
+    deeper = SsdDraft({rows: 2 * s for rows, s in base.draft_step_s.items()}, [0.95] * 5, 1.0)
+    f, before = forecast(profile(hit_rate=1.0, ssd_draft=deeper), 1), forecast(base, 1)
+    assert (f.sd_tok_s, f.sd_k) == (before.sd_tok_s, before.sd_k)
+    assert f.ssd_t_p < 1 and f.ssd_tok_s == pytest.approx(expected_tokens([0.95] * 5, 5) / 0.012)
+    # too slow to hide: the fill outlasts a verification, and SSD falls below the cheap draft's
+    too_slow = SsdDraft({rows: 20 * s for rows, s in base.draft_step_s.items()}, [0.95] * 5, 1.0)
+    assert forecast(profile(hit_rate=1.0, ssd_draft=too_slow), 1).ssd_tok_s < before.ssd_tok_s
+
+
+def test_plan_forecasts_ssd_with_its_own_draft_from_the_command_line(capsys, monkeypatch):
+    import saguaro.llm
+
+    monkeypatch.setattr(saguaro.llm, "LLM", None)
+    path = PROFILES / "h200-llama3-8b-1b.json"
+    argv = ["plan", "--profile", str(path), "--batch-sizes", "1", "--ssd-draft-cost", "2", "--ssd-acceptance", "0.9",
+            "--ssd-hit-rate", "0.95"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    data = json.loads(path.read_text())
+    p = HardwareProfile.from_json(data | {"ssd_draft": {
+        "draft_step_s": {rows: 2 * s for rows, s in data["draft_step_s"].items()},
+        "acceptance": [0.9] * len(data["acceptance"]), "hit_rate": 0.95}})
+    f, sd_only = forecast(p, 1), forecast(HardwareProfile.from_json(data), 1)
+    assert f.sd_tok_s == sd_only.sd_tok_s and f.ssd_tok_s != sd_only.ssd_tok_s
+    assert f"| 1 | {f.ar_tok_s:.1f} | {f.sd_tok_s:.1f} ({f.sd_k}) | {f.ssd_tok_s:.1f} " in out
+    assert "SSD's own draft: a step 2.00x SD's draft's" in out and "hit rate 0.95" in out

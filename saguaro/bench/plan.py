@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
 from saguaro.speculation.policy.auto import AutoPolicy, Option
-from saguaro.speculation.policy.planning import HardwareProfile, critical_batch_size, forecast
+from saguaro.speculation.policy.planning import HardwareProfile, RowCosts, critical_batch_size, forecast
 
 
 @dataclass
@@ -84,7 +84,8 @@ def forecast_markdown(profile: HardwareProfile, batch_sizes: list[int]) -> str:
     lines = [f"{profile.name}: acceptance {', '.join(f'{a:.2f}' for a in profile.acceptance)}, "
              f"hit rate {profile.hit_rate:.2f} at fan-out {profile.fan_out} (r = {profile.power_law_r}), "
              f"link {profile.link_s * 1e3:.2f} ms, "
-             f"devices {profile.target_devices} (target) + {profile.draft_devices} (SSD's draft)", "",
+             f"devices {profile.target_devices} (target) + {profile.draft_devices} (SSD's draft)"
+             + ssd_draft_line(profile), "",
              "| batch | AR tok/s | SD tok/s (K) | SSD tok/s (backup, F, T_p) | SSD / SD | per device: AR / SD / SSD |",
              "|---|---|---|---|---|---|"]
     for batch in batch_sizes:
@@ -98,3 +99,14 @@ def forecast_markdown(profile: HardwareProfile, batch_sizes: list[int]) -> str:
               "Totals over the batch; per device divides AR and SD by the target's devices, SSD by the "
               "target's and the draft's. F: branches a sequence; T_p: the worker's fill / a verification (above 1: not hidden)."]
     return "\n".join(lines) + "\n"
+
+
+def ssd_draft_line(profile: HardwareProfile) -> str:
+    """How SSD's own draft differs from SD's, where it has one."""
+    ssd = profile.ssd_draft
+    if ssd is None:
+        return ""
+    one_row = min(ssd.draft_step_s)
+    ratio = ssd.draft_step_s[one_row] / RowCosts.of(profile.draft_step_s)(one_row)
+    return (f"; SSD's own draft: a step {ratio:.2f}x SD's draft's at {one_row} row(s), acceptance "
+            f"{', '.join(f'{a:.2f}' for a in ssd.acceptance)}, hit rate {ssd.hit_rate:.2f}")

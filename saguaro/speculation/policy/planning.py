@@ -163,6 +163,38 @@ def expected_tokens(acceptance: list[float], k: int) -> float:
 
 
 @dataclass
+class SsdDraft:
+    """SSD's own draft where it is not SD's: its worker's hardware hides a draft step, so SSD
+    can afford a draft that SD cannot (slower a step, right more often) while SD keeps the
+    cheap one. Its measured step costs, acceptance and hit rate, as HardwareProfile holds SD's."""
+    draft_step_s: dict[int, float]
+    acceptance: list[float]
+    hit_rate: float
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SsdDraft":
+        if unknown := set(data) - set(cls.__dataclass_fields__):
+            raise ValueError(f"unknown ssd_draft fields {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        if missing := set(cls.__dataclass_fields__) - set(data):
+            raise ValueError(f"an ssd_draft needs {sorted(missing)}")
+        return cls(**_checked(data, ("draft_step_s",)))
+
+
+def _checked(data: dict, tables: tuple[str, ...]) -> dict:
+    """A profile's fields with its cost tables keyed by row counts, refused where a value cannot be."""
+    fields = dict(data)
+    for table in tables:
+        fields[table] = {int(rows): float(s) for rows, s in data[table].items()}
+        if not fields[table] or min(fields[table].values()) <= 0:
+            raise ValueError(f"{table} needs positive seconds for at least one row count")
+    if not fields["acceptance"] or not all(0 <= a <= 1 for a in fields["acceptance"]):
+        raise ValueError("acceptance needs one rate in [0, 1] per draft position")
+    if not 0 <= fields["hit_rate"] <= 1:
+        raise ValueError("hit_rate must lie in [0, 1]")
+    return fields
+
+
+@dataclass
 class HardwareProfile:
     """What a forecast for hardware saguaro is not running on needs: the two models' measured
     costs there, and the pair's acceptance and SSD cache hit rate (`saguaro plan --profile`)."""
@@ -176,6 +208,7 @@ class HardwareProfile:
     link_s: float = 0.0  # SSD: the exchange's share of a round that nothing hides
     target_devices: int = 1
     draft_devices: int = 1  # SSD's worker's, besides the target's
+    ssd_draft: SsdDraft | None = None  # SSD's own draft; None: SD's
 
     @classmethod
     def from_json(cls, data: dict) -> "HardwareProfile":
@@ -185,15 +218,9 @@ class HardwareProfile:
         missing = {"name", "target_pass_s", "draft_step_s", "acceptance", "hit_rate"} - set(data)
         if missing:
             raise ValueError(f"a profile needs {sorted(missing)}")
-        fields = {k: v for k, v in data.items() if k in known}
-        for table in ("target_pass_s", "draft_step_s"):
-            fields[table] = {int(rows): float(s) for rows, s in data[table].items()}
-            if not fields[table] or min(fields[table].values()) <= 0:
-                raise ValueError(f"{table} needs positive seconds for at least one row count")
-        if not fields["acceptance"] or not all(0 <= a <= 1 for a in fields["acceptance"]):
-            raise ValueError("acceptance needs one rate in [0, 1] per draft position")
-        if not 0 <= fields["hit_rate"] <= 1:
-            raise ValueError("hit_rate must lie in [0, 1]")
+        fields = _checked({k: v for k, v in data.items() if k in known}, ("target_pass_s", "draft_step_s"))
+        if fields.get("ssd_draft") is not None:
+            fields["ssd_draft"] = SsdDraft.from_json(fields["ssd_draft"])
         return cls(**fields)
 
 
@@ -222,17 +249,19 @@ def forecast(profile: HardwareProfile, batch: int, sd_ks: list[int] | None = Non
     link, the fill K t_D(b F), a neural miss drafting anew for K t_D(b), a fast one committing
     about one token; at the fan-out F <= profile.fan_out and the backup that do best, the hit
     rate following the power law from the profile's. sd_ks: only these k (what an engine ran, to
-    check the forecast against it)."""
+    check the forecast against it). SSD drafts with profile.ssd_draft where there is one."""
     target, draft = RowCosts.of(profile.target_pass_s), RowCosts.of(profile.draft_step_s)
-    k_max = len(profile.acceptance)
     sd_rate = {k: batch * expected_tokens(profile.acceptance, k) / (target(batch * (k + 1)) + k * draft(batch))
-               for k in sd_ks or range(1, k_max + 1)}
+               for k in sd_ks or range(1, len(profile.acceptance) + 1)}
     sd_k = max(sd_rate, key=sd_rate.get)
+    ssd_side = profile.ssd_draft or profile
+    draft = RowCosts.of(ssd_side.draft_step_s)
+    k_max = len(ssd_side.acceptance)
     verify = target(batch * (k_max + 1)) + profile.link_s
-    e_k = expected_tokens(profile.acceptance, k_max)
+    e_k = expected_tokens(ssd_side.acceptance, k_max)
     best = (0.0, "neural", 1, 0.0)
     for fan_out in range(1, profile.fan_out + 1):
-        misses = (1 - profile.hit_rate) * (fan_out / profile.fan_out) ** -profile.power_law_r
+        misses = (1 - ssd_side.hit_rate) * (fan_out / profile.fan_out) ** -profile.power_law_r
         model = SpeedModel(p_hit=max(0.0, 1 - misses), e_hit=e_k, e_neural=e_k, e_fast=1.0,
                            t_p=k_max * draft(batch * fan_out) / verify, t_neural=k_max * draft(batch) / verify)
         for backup in ("neural", "fast"):
