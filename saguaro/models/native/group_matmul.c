@@ -108,14 +108,15 @@ int saguaro_bf16_supported(void) {
 /* R rows of bf16 activations against one column of 16-bit tiles: fp32 sums, pair by pair in
  * input order (the same for any number of rows). Its own target: only CPUs with AVX512-BF16
  * reach it (saguaro_bf16_supported). */
-__attribute__((target("avx512f,avx512bf16"))) static void tile_column_bf16(
+__attribute__((target("avx512f,avx512bf16"))) static inline __attribute__((always_inline)) void bf16_rows(
         int R, const uint8_t *tiles, const uint16_t *x, int64_t in_features, float *sums_out) {
     __m512 acc[MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < in_features / GROUP; g++) {
         const uint8_t *tile = tiles + g * 1024;
-        for (int line = 0; line < 1024; line += 64)
-            _mm_prefetch((const char *)tile + 4 * 1024 + line, _MM_HINT_T0);
+        if (R > 1) /* one row streams as fast on the hardware's prefetcher alone */
+            for (int line = 0; line < 1024; line += 64)
+                _mm_prefetch((const char *)tile + 4 * 1024 + line, _MM_HINT_T0);
         for (int k = 0; k < 16; k++) {
             const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(tile + 64 * k));
             for (int r = 0; r < R; r++) {
@@ -126,6 +127,22 @@ __attribute__((target("avx512f,avx512bf16"))) static void tile_column_bf16(
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(sums_out + r * TILE_OUT, acc[r]);
+}
+
+/* bf16_rows with R a constant in each case, so that the sums stay in registers (a runtime R
+ * kept them on the stack: six rows 1.17x faster from memory, 1.8x in cache; the same sums). */
+__attribute__((target("avx512f,avx512bf16"))) static void tile_column_bf16(
+        int R, const uint8_t *tiles, const uint16_t *x, int64_t in_features, float *sums_out) {
+    switch (R) {
+        case 8: bf16_rows(8, tiles, x, in_features, sums_out); break;
+        case 7: bf16_rows(7, tiles, x, in_features, sums_out); break;
+        case 6: bf16_rows(6, tiles, x, in_features, sums_out); break;
+        case 5: bf16_rows(5, tiles, x, in_features, sums_out); break;
+        case 4: bf16_rows(4, tiles, x, in_features, sums_out); break;
+        case 3: bf16_rows(3, tiles, x, in_features, sums_out); break;
+        case 2: bf16_rows(2, tiles, x, in_features, sums_out); break;
+        default: bf16_rows(1, tiles, x, in_features, sums_out); break;
+    }
 }
 
 TARGET static inline __m512 bf16_to_ps(__m256i v) {
