@@ -30,8 +30,8 @@ WIDTHS = {"4": 4, "5": 5, "6": 6, "8": 8, "iq4": native.NL4, "q4_0": native.SYM4
 # where each kind keeps its fp16 parameters (set to 1.0) and its integer sub-scales (set to 1), in a
 # tile or, for the K-quants, in a record of 8 groups
 PARAMS = {4: (256, 320), 5: (320, 384), 6: (416, 448), 8: (512, 544), native.NL4: (256, 288), native.SYM4: (256, 288),
-          native.K4: (2304, 2368), native.K6: (3328, 3360), 16: (0, 1024)}
-SUB_SCALES = {6: (384, 416), native.K4: (2048, 2304), native.K6: (3072, 3328)}
+          native.K4: (0, 64), native.K6: (0, 32), 16: (0, 1024)}
+SUB_SCALES = {6: (384, 416), native.K4: (64, 320), native.K6: (32, 288)}
 
 
 def load(folder: Path) -> ctypes.CDLL:

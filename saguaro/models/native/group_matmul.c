@@ -23,12 +23,13 @@
  *    one per output and half group (16 inputs): outputs 0-15 for inputs 0-15, then for 16-31;
  *    then 16 fp16 super-scales d. w = (code - 32) * scale * d. The two halves keep separate
  *    integer sums, combined in integers: d * x.d * sum_s scale_s * (dot_s - 32 qsum_s).
- *  - K-quant records (Q4_K: kind K4; Q6_K: kind K6) hold a 256-input block of 16 outputs, its
- *    8 groups' codes as the 4- and 6-bit records hold them, then what the file stores once per
- *    block: K4, 2368 bytes: 8 x 256 code bytes, 8 x 16 six-bit sub-scales (a byte each, group
- *    by group, outputs 0-15), 8 x 16 sub-mins, 16 fp16 d and 16 fp16 dmin, for
- *    w = code * (d * scale) - dmin * min, both products exact in fp32; K6, 3360 bytes: 8 x 384
- *    code bytes, 8 x 32 int8 sub-scales (as the 6-bit record's), 16 fp16 d. The files' own
+ *  - K-quant records (Q4_K: kind K4; Q6_K: kind K6) hold a 256-input block of 16 outputs: what
+ *    the file stores once per block, then its 8 groups' codes as the 4- and 6-bit records hold
+ *    them (parameters first, so that a record is read front to back). K4, 2368 bytes: 16 fp16 d,
+ *    16 fp16 dmin, 8 x 16 six-bit sub-scales (a byte each, group by group, outputs 0-15), 8 x 16
+ *    sub-mins, 8 x 256 code bytes (from K4_CODES), for w = code * (d * scale) - dmin * min, both
+ *    products exact in fp32; K6, 3360 bytes: 16 fp16 d, 8 x 32 int8 sub-scales (as the 6-bit
+ *    record's), 8 x 384 code bytes (from K6_CODES). The files' own
  *    densities (4.625 and 6.56 bits a weight) where per-group records took 5 and 7.
  *  - 8-bit, 544 bytes: 8 chunks of 64 bytes, byte 4j + t of chunk k holding output j's code for
  *    input 4k + t plus 128 (so unsigned); 16 fp16 scales (the low is zero).
@@ -59,6 +60,8 @@
 #define K4 124 /* the Q4_K record kind */
 #define K6 126 /* the Q6_K record kind */
 #define BLOCK_GROUPS 8 /* groups in a K4 / K6 record: a K-quant's 256-input block */
+#define K4_CODES 320 /* where a K4 / K6 record's codes begin, after its block parameters */
+#define K6_CODES 288
 #define HEADER_BYTES 64
 #define MAX_PARTS 3
 
@@ -191,10 +194,11 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *record = tiles + (g / BLOCK_GROUPS) * BLOCK_GROUPS * tile_bytes; /* K4, K6 */
-        const uint8_t *tile = blocked ? record + (g % BLOCK_GROUPS) * (width == 4 ? 256 : 384) : tiles + g * tile_bytes;
+        const uint8_t *tile = bits == K4 ? record + K4_CODES + (g % BLOCK_GROUPS) * 256
+                            : bits == K6 ? record + K6_CODES + (g % BLOCK_GROUPS) * 384 : tiles + g * tile_bytes;
         if (blocked && g % BLOCK_GROUPS == 0) { /* the block's d (and -dmin), converted once */
-            block_d = halves(record + BLOCK_GROUPS * (width == 4 ? 256 : 384) + 2 * 128);
-            if (bits == K4) block_neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(record + 8 * 256 + 288));
+            block_d = halves(record);
+            if (bits == K4) block_neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(record + 32));
         }
         if (prefetched)
             for (int64_t line = 0; line < tile_bytes; line += 64)
@@ -244,7 +248,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             }
         }
         if (width == 6) {
-            const uint8_t *subs = bits == K6 ? record + 8 * 384 + 32 * (g % BLOCK_GROUPS) : tile + 384;
+            const uint8_t *subs = bits == K6 ? record + 32 + 32 * (g % BLOCK_GROUPS) : tile + 384;
             const __m512i scale0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)subs));
             const __m512i scale1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(subs + 16)));
             const __m512 d = bits == K6 ? block_d : halves(tile + 416);
@@ -260,7 +264,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         const uint8_t *params = tile + (bits == 4 || bits == NL4 || bits == SYM4 ? 256 : bits == 5 ? 320 : 512);
         __m512 scale, low = _mm512_setzero_ps();
         if (bits == K4) { /* d * sub-scale and -dmin * sub-min: 6-bit integers times fp16, exact in fp32 */
-            const uint8_t *at = record + 8 * 256 + 16 * (g % BLOCK_GROUPS);
+            const uint8_t *at = record + 64 + 16 * (g % BLOCK_GROUPS);
             const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at)));
             const __m512 min = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + 128))));
             scale = _mm512_mul_ps(sub, block_d);

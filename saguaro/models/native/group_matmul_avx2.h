@@ -141,11 +141,12 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
     block_d[0] = block_d[1] = block_neg_dmin[0] = block_neg_dmin[1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *record = tiles + (g / BLOCK_GROUPS) * BLOCK_GROUPS * tile_bytes; /* K4, K6 */
-        const uint8_t *tile = blocked ? record + (g % BLOCK_GROUPS) * (width == 4 ? 256 : 384) : tiles + g * tile_bytes;
+        const uint8_t *tile = bits == K4 ? record + K4_CODES + (g % BLOCK_GROUPS) * 256
+                            : bits == K6 ? record + K6_CODES + (g % BLOCK_GROUPS) * 384 : tiles + g * tile_bytes;
         if (blocked && g % BLOCK_GROUPS == 0) /* the block's d (and -dmin), converted once */
             for (int h = 0; h < 2; h++) {
-                block_d[h] = halves(record + BLOCK_GROUPS * (width == 4 ? 256 : 384) + 2 * 128 + 16 * h);
-                if (bits == K4) block_neg_dmin[h] = _mm256_sub_ps(_mm256_setzero_ps(), halves(record + 8 * 256 + 288 + 16 * h));
+                block_d[h] = halves(record + 16 * h);
+                if (bits == K4) block_neg_dmin[h] = _mm256_sub_ps(_mm256_setzero_ps(), halves(record + 32 + 16 * h));
             }
         for (int64_t line = 0; line < tile_bytes; line += 64)
             _mm_prefetch((const char *)tiles + (g + PREFETCH_TILES) * tile_bytes + line, _MM_HINT_T0);
@@ -189,7 +190,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         }
         for (int h = 0; h < 2; h++) {
             if (width == 6) {
-                const uint8_t *subs = (bits == K6 ? record + 8 * 384 + 32 * (g % BLOCK_GROUPS) : tile + 384) + 8 * h;
+                const uint8_t *subs = (bits == K6 ? record + 32 + 32 * (g % BLOCK_GROUPS) : tile + 384) + 8 * h;
                 const __m256i scale0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)subs));
                 const __m256i scale1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(subs + 16)));
                 const __m256 d = bits == K6 ? block_d[h] : halves(tile + 416 + 16 * h);
@@ -205,7 +206,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             const uint8_t *params = tile + (bits == 4 || bits == NL4 || bits == SYM4 ? 256 : bits == 5 ? 320 : 512) + 16 * h;
             __m256 scale, low = _mm256_setzero_ps();
             if (bits == K4) { /* as the AVX512 kernel: exact fp32 products */
-                const uint8_t *at = record + 8 * 256 + 16 * (g % BLOCK_GROUPS) + 8 * h;
+                const uint8_t *at = record + 64 + 16 * (g % BLOCK_GROUPS) + 8 * h;
                 const __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at)));
                 const __m256 min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(at + 128))));
                 scale = _mm256_mul_ps(sub, block_d[h]);

@@ -21,6 +21,8 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q
 #define SYM4 100 /* group_matmul.c's Q4_0 tile kind */
 #define K4 124 /* group_matmul.c's Q4_K record kind */
 #define K6 126 /* group_matmul.c's Q6_K record kind */
+#define K4_CODES 320 /* where a K4 / K6 record's codes begin, after its block parameters */
+#define K6_CODES 288
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 typedef struct {
@@ -196,27 +198,27 @@ TARGET static inline void put_nibble_pairs(const uint8_t *qs, int high, uint8_t 
     }
 }
 
-/* Q4_K: a row's 256-weight block as row j of its K4 record (group_matmul.c): each group's
- * nibbles paired as a 4-bit tile pairs them, the six-bit sub-scales and mins a byte each, d
- * and dmin as the file stores them. */
+/* Q4_K: a row's 256-weight block as row j of its K4 record (group_matmul.c): d and dmin as
+ * the file stores them, the six-bit sub-scales and mins a byte each, then each group's nibbles
+ * paired as a 4-bit tile pairs them. */
 TARGET static void q4_k_block_record(const uint8_t *b, uint8_t *record, int j) {
     for (int sb = 0; sb < 8; sb++) {
         int sc, min;
         k_scale_min(sb, b + 4, &sc, &min);
-        put_nibble_pairs(b + 16 + 32 * (sb / 2), sb % 2, record + 256 * sb, j);
-        record[2048 + 16 * sb + j] = (uint8_t)sc;
-        record[2048 + 128 + 16 * sb + j] = (uint8_t)min;
+        put_nibble_pairs(b + 16 + 32 * (sb / 2), sb % 2, record + K4_CODES + 256 * sb, j);
+        record[64 + 16 * sb + j] = (uint8_t)sc;
+        record[192 + 16 * sb + j] = (uint8_t)min;
     }
-    memcpy(record + 2304 + 2 * j, b, 2);
-    memcpy(record + 2336 + 2 * j, b + 2, 2);
+    memcpy(record + 2 * j, b, 2);
+    memcpy(record + 32 + 2 * j, b + 2, 2);
 }
 
-/* Q6_K: row j of a 256-weight block's K6 record, each group's codes as a 6-bit tile holds
- * them (the low nibbles paired as Q4_K's are, the top two bits four to a byte), then the
- * sub-scales and d. */
+/* Q6_K: row j of a 256-weight block's K6 record: d, the sub-scales, then each group's codes as
+ * a 6-bit tile holds them (the low nibbles paired as Q4_K's are, the top two bits four to a
+ * byte). */
 TARGET static void q6_k_block_record(const uint8_t *b, uint8_t *record, int j) {
     for (int sb = 0; sb < 8; sb++) {
-        uint8_t *tile = record + 384 * sb;
+        uint8_t *tile = record + K6_CODES + 384 * sb;
         const int n = sb / 4, i = sb % 4;
         const uint8_t *qh = b + 128 + 32 * n;
         put_nibble_pairs(b + 64 * n + (i & 1 ? 32 : 0), i >= 2, tile, j);
@@ -230,10 +232,10 @@ TARGET static void q6_k_block_record(const uint8_t *b, uint8_t *record, int j) {
                 }
             memcpy(tile + 256 + 64 * h + 4 * j, &top, 4);
         }
-        record[3072 + 32 * sb + j] = b[192 + 2 * sb];
-        record[3072 + 32 * sb + 16 + j] = b[192 + 2 * sb + 1];
+        record[32 + 32 * sb + j] = b[192 + 2 * sb];
+        record[32 + 32 * sb + 16 + j] = b[192 + 2 * sb + 1];
     }
-    memcpy(record + 3328 + 2 * j, b + 208, 2);
+    memcpy(record + 2 * j, b + 208, 2);
 }
 
 /* One tile (16 outputs x 32 inputs) from its 16 rows' decoded groups, laid out as
