@@ -29,8 +29,8 @@
  *    16 fp16 dmin, 8 x 16 six-bit sub-scales (a byte each, group by group, outputs 0-15), 8 x 16
  *    sub-mins, 8 x 256 code bytes (from K4_CODES), for w = code * (d * scale) - dmin * min, both
  *    products exact in fp32; K6, 3360 bytes: 16 fp16 d, 8 x 32 int8 sub-scales (as the 6-bit
- *    record's), 8 x 384 code bytes (from K6_CODES). The files' own
- *    densities (4.625 and 6.56 bits a weight) where per-group records took 5 and 7.
+ *    record's), 8 x 384 code bytes (from K6_CODES). The files' own densities (4.625 and 6.56
+ *    bits a weight) where per-group records took 5 and 7.
  *  - 8-bit, 544 bytes: 8 chunks of 64 bytes, byte 4j + t of chunk k holding output j's code for
  *    input 4k + t plus 128 (so unsigned); 16 fp16 scales (the low is zero).
  *  - symmetric 4-bit (Q4_0; kind SYM4), 288 bytes: the 4-bit record without its lows, a code c
@@ -60,8 +60,8 @@
 #define K4 124 /* the Q4_K record kind */
 #define K6 126 /* the Q6_K record kind */
 #define BLOCK_GROUPS 8 /* groups in a K4 / K6 record: a K-quant's 256-input block */
-#define K4_CODES 320 /* where a K4 / K6 record's codes begin, after its block parameters */
-#define K6_CODES 288
+#define K4_CODES 320 /* where a K4 record's codes begin, after its block parameters */
+#define K6_CODES 288 /* and a K6 record's */
 #define HEADER_BYTES 64
 #define MAX_PARTS 3
 

@@ -21,8 +21,8 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q
 #define SYM4 100 /* group_matmul.c's Q4_0 tile kind */
 #define K4 124 /* group_matmul.c's Q4_K record kind */
 #define K6 126 /* group_matmul.c's Q6_K record kind */
-#define K4_CODES 320 /* where a K4 / K6 record's codes begin, after its block parameters */
-#define K6_CODES 288
+#define K4_CODES 320 /* where a K4 record's codes begin, after its block parameters */
+#define K6_CODES 288 /* and a K6 record's */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 typedef struct {
