@@ -3,7 +3,9 @@ core against SSD with its target on one core and its worker on the other, both a
 defaults, taking turns prompt by prompt on held-out chat and HumanEval prompts; decode tok/s
 medians and the median of the paired ratios.
 
-    python benchmarks/ssd_vs_sd.py [--temperature 0] [--prompts 8] [--max-tokens 128]
+    python benchmarks/ssd_vs_sd.py [--temperature 0] [--prompts 8] [--max-tokens 128] [--ssd-draft PATH]
+
+--ssd-draft gives SSD's worker a draft of its own (SD keeps the shipped one).
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--ssd-draft", help="SSD's draft (default: SSD's default)")
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-    engines = {"sd": LLM(method="sd", num_threads=1), "ssd": LLM(method="ssd")}
+    engines = {"sd": LLM(method="sd", num_threads=1), "ssd": LLM(method="ssd", ssd_draft=args.ssd_draft)}
     try:
         for dataset in ("sharegpt", "humaneval"):
             prompts = bench_prompts(engines["sd"], dataset, BenchConfig(num_prompts=args.prompts, seed=7))

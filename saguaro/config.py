@@ -147,6 +147,10 @@ class SpeculativeConfig:
                                   "runs; AR where the target has no draft)", choices=METHODS)
     draft: str | None = _option(None, "draft model: a known name or a checkpoint path (default: the target's "
                                       "shipped draft)")
+    ssd_draft: str | None = _option(None, "SSD's draft model, whose steps its worker hides behind verification, "
+                                          "so it may be deeper than SD's: a known name or a checkpoint path "
+                                          "(default: the target's shipped SSD draft where it has one, else "
+                                          "--draft)", group="ssd")
     num_speculative_tokens: int = _option(5, "draft tokens per round (K; auto: the most); a token tree's depth",
                                          "-k", "--num-speculative-tokens", "--speculative-num-steps")
     prompt_lookup: int | None = _option(2, "where the last N tokens occurred earlier in the text, speculate "

@@ -78,6 +78,32 @@ def test_pair_decodes_as_ar(files, ar_tokens, method):
     assert all(len(tokens) == NEW_TOKENS for tokens in ar_tokens)
 
 
+def worker_drafts(llm: LLM) -> list[str]:
+    """The draft each SSD worker loaded."""
+    return [lane.client.config.draft.speculative.draft for lane in llm.decoder.policy.choice.proposer.pool.lanes]
+
+
+def test_ssd_drafts_with_a_draft_of_its_own(files, ar_tokens, smollm2_tokenizer, tmp_path):
+    """SSD's worker loads --ssd-draft (deeper here), SD's the draft; both decode as AR does."""
+    target, draft = files
+    deeper = write_pair_gguf(tmp_path / "deeper.gguf", tiny_llama(len(smollm2_tokenizer["tokenizer.ggml.tokens"]), 2, 2),
+                             smollm2_tokenizer)
+    with LLM(str(target), method="ssd", draft=str(draft), ssd_draft=str(deeper), dtype="float32") as llm:
+        assert greedy(llm) == ar_tokens
+        assert worker_drafts(llm) == [str(deeper)]
+        assert llm.decoder.counters.num_draft_tokens > 0
+    with LLM(str(target), method="ssd", draft=str(draft), dtype="float32") as llm:
+        assert worker_drafts(llm) == [str(draft)]  # without one of its own, SSD drafts with --draft
+
+
+def test_an_ssd_draft_of_another_tokenizer_is_refused(files, smollm2_tokenizer, tmp_path):
+    eos = smollm2_tokenizer["tokenizer.ggml.eos_token_id"]
+    other = write_pair_gguf(tmp_path / "other.gguf", tiny_llama(len(smollm2_tokenizer["tokenizer.ggml.tokens"]), 1, 1),
+                            smollm2_tokenizer, eos=eos + 1)
+    with pytest.raises(IncompatibleDraftError, match="EOS"):
+        LLM(str(files[0]), method="ssd", draft=str(files[1]), ssd_draft=str(other), dtype="float32")
+
+
 def refusal(files, smollm2_tokenizer, tmp_path, **changes) -> str:
     vocab = changes.pop("vocab", len(smollm2_tokenizer["tokenizer.ggml.tokens"]))
     draft = write_pair_gguf(tmp_path / "draft.gguf", tiny_llama(vocab, 1, 1), smollm2_tokenizer, **changes)

@@ -26,3 +26,22 @@ def test_shipped_draft_is_small_and_loads_against_the_target_shape():
 
 def test_unknown_target_has_no_default_draft():
     assert hub.default_draft("no-such-model") is None
+
+
+def test_ssd_takes_the_shipped_ssd_draft_unless_a_draft_is_named(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from saguaro.config import SpeculativeConfig
+    from saguaro.speculation.build import ssd_draft_path
+
+    for name in ("toy", "toy-ssd"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(hub, "DRAFTS_DIR", tmp_path)
+    sd = hub.default_draft("toy")
+    assert ssd_draft_path(SpeculativeConfig(), "toy", sd) == tmp_path / "toy-ssd"
+    named = Path("mine")
+    assert ssd_draft_path(SpeculativeConfig(draft="mine"), "toy", named) == named  # the user's draft wins
+    assert ssd_draft_path(SpeculativeConfig(ssd_draft="deep"), "toy", sd) == Path("deep")
+    (tmp_path / "toy-ssd" / "model.safetensors").unlink()
+    assert ssd_draft_path(SpeculativeConfig(), "toy", sd) == sd  # none shipped: SD's

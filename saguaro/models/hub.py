@@ -69,7 +69,8 @@ def resolve(spec: str | os.PathLike) -> Path:
     return Path(spec).expanduser()
 
 
-def default_draft(name: str) -> Path | None:
-    """The draft shipped for a known target (a saguaro checkpoint folder), or None."""
-    folder = DRAFTS_DIR / name
+def default_draft(name: str, ssd: bool = False) -> Path | None:
+    """The draft shipped for a known target (a saguaro checkpoint folder), or None. ssd: the
+    deeper one shipped for SSD's worker (drafts/NAME-ssd), whose steps verification hides."""
+    folder = DRAFTS_DIR / (f"{name}-ssd" if ssd else name)
     return folder if (folder / "model.safetensors").is_file() else None

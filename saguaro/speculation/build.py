@@ -40,6 +40,20 @@ def draft_path(spec: SpeculativeConfig, model: str) -> Path | None:
     return path
 
 
+def ssd_draft_path(spec: SpeculativeConfig, model: str, draft: Path) -> Path:
+    """SSD's draft: the one named for SSD, else (where no draft was named) the target's shipped
+    SSD draft, else SD's `draft`."""
+    if spec.ssd_draft:
+        return hub.resolve(spec.ssd_draft)
+    return (None if spec.draft else hub.default_draft(str(model), ssd=True)) or draft
+
+
+def reads_target_features(path: Path) -> bool:
+    """Whether a draft checkpoint is EAGLE-style, reading the target's hidden states."""
+    config = path / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("eagle"))
+
+
 def sd_drafter(draft: LlamaModel, spec: SpeculativeConfig, prefix_cache_mb: float = 0.0) -> Drafter:
     """The draft model's drafter, behind prompt lookup when it is on."""
     drafter = model_drafter(draft, spec.num_speculative_tokens, prefix_cache=new_prefix_cache(prefix_cache_mb),
@@ -152,7 +166,8 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
     return SSDLauncher(start, cores, max(1, sum(fan_out_plan(spec)[0])))
 
 
-def auto_profile_path(target: LlamaModel, spec: SpeculativeConfig, model: str, draft: Path) -> Path | None:
+def auto_profile_path(target: LlamaModel, spec: SpeculativeConfig, model: str, draft: Path,
+                      ssd_draft: Path) -> Path | None:
     """Where method="auto" keeps what it measured for the next process with the same models,
     settings, threads and CPU (None where SAGUARO_AUTO_PROFILE=0)."""
     if os.environ.get("SAGUARO_AUTO_PROFILE", "1") == "0":
@@ -161,7 +176,7 @@ def auto_profile_path(target: LlamaModel, spec: SpeculativeConfig, model: str, d
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
     except OSError:
         cpu = platform.processor()
-    key = json.dumps([str(model), str(draft), spec.num_speculative_tokens, spec.prompt_lookup, target.quantization,
+    key = json.dumps([str(model), str(draft), str(ssd_draft), spec.num_speculative_tokens, spec.prompt_lookup, target.quantization,
                       str(target.dtype), str(target.device), torch.get_num_threads(), cpu])
     return hub.cache_dir() / "auto" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
@@ -176,6 +191,11 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
     if path is None:
         return ar_decoder(target, new_prefix_cache(prefix_cache_mb))
     tokens = check_pair(path, hub.resolve(model))
+    ssd_path = ssd_draft_path(spec, model, path)
+    ssd_tokens = tokens if ssd_path == path else check_pair(ssd_path, hub.resolve(model))
+    if spec.method == "auto" and ssd_path != path and reads_target_features(ssd_path):
+        raise ValueError("method auto shares one prefix cache between SD's and SSD's rounds: an SSD draft "
+                         "that reads the target's hidden states needs method ssd")
     if spec.tree is not None and target.tensor_parallel is not None:
         raise ValueError("token trees move KV entries that a tensor-parallel target's other ranks hold; "
                          "use chains (tree_topk 1) with tensor_parallel_size > 1")
@@ -185,15 +205,16 @@ def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix
         prefix_cache = None if drafter.reads_target_features else new_prefix_cache(prefix_cache_mb)
         if spec.method == "sd":
             return sd_decoder(target, drafter, prefix_cache)
-        ssd = None if drafter.reads_target_features else auto_ssd(target, spec, path, prefix_cache_mb, tokens)
-        profile = auto_profile_path(target, spec, model, path) if keep_profile else None
+        ssd = None if drafter.reads_target_features else auto_ssd(target, spec, ssd_path, prefix_cache_mb,
+                                                                  ssd_tokens)
+        profile = auto_profile_path(target, spec, model, path, ssd_path) if keep_profile else None
         return auto_decoder(target, drafter, ssd, prefix_cache, profile, [] if drafter.reads_target_features
                             else auto_trees(spec.num_speculative_tokens, spec.tree_topk, spec.tree,
                                             target.device.type))
     cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device,
                                                                               spec.num_draft_workers)
     try:
-        proposer = ssd_proposer(target, spec, path, cpus, prefix_cache_mb, tokens=tokens)
+        proposer = ssd_proposer(target, spec, ssd_path, cpus, prefix_cache_mb, tokens=ssd_tokens)
     except BaseException:
         if cores_before is not None:
             use_cores(*cores_before)
