@@ -3,9 +3,10 @@ core against SSD with its target on one core and its worker on the other, both a
 defaults, taking turns prompt by prompt on held-out chat and HumanEval prompts; decode tok/s
 medians and the median of the paired ratios.
 
-    python benchmarks/ssd_vs_sd.py [--temperature 0] [--prompts 8] [--max-tokens 128] [--ssd-draft PATH]
+    python benchmarks/ssd_vs_sd.py [--temperature 0] [--prompts 8] [--max-tokens 128] [--ssd-draft PATH] [--fan-out-budget N]
 
---ssd-draft gives SSD's worker a draft of its own (SD keeps the shipped one).
+--ssd-draft gives SSD's worker a draft of its own (SD keeps the shipped one); a deeper draft
+fills fewer branches within a verification, which --fan-out-budget sets.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import statistics
 from saguaro import LLM, SamplingParams
 from saguaro.bench.runner import BenchConfig, bench_prompts
 
+SSD_FIGURES = ("cache_hit_rate", "acceptance_length_hit", "acceptance_length_miss_neural", "misses_bonus",
+               "misses_length", "misses_unfilled", "t_p_median", "verify_s_median", "fill_s_median")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -22,9 +26,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ssd-draft", help="SSD's draft (default: SSD's default)")
+    parser.add_argument("--fan-out-budget", type=int, default=16, help="SSD's cached branches per request")
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-    engines = {"sd": LLM(method="sd", num_threads=1), "ssd": LLM(method="ssd", ssd_draft=args.ssd_draft)}
+    engines = {"sd": LLM(method="sd", num_threads=1), "ssd": LLM(method="ssd", ssd_draft=args.ssd_draft,
+                                                                     fan_out_budget=args.fan_out_budget)}
     try:
         for dataset in ("sharegpt", "humaneval"):
             prompts = bench_prompts(engines["sd"], dataset, BenchConfig(num_prompts=args.prompts, seed=7))
@@ -39,6 +45,8 @@ def main() -> None:
                   f"{statistics.median(rates['ssd']):.1f} tok/s; SSD / SD {statistics.median(ratios):.2f} "
                   f"({min(ratios):.2f}-{max(ratios):.2f}); SSD's hit rate so far "
                   f"{engines['ssd'].metrics().get('cache_hit_rate') or 0:.2f}", flush=True)
+        ssd = engines["ssd"].metrics()
+        print("SSD over both sets: " + ", ".join(f"{key} {ssd.get(key)}" for key in SSD_FIGURES), flush=True)
     finally:
         for llm in engines.values():
             llm.close()
