@@ -3,7 +3,8 @@ core against SSD with its target on one core and its worker on the other, both a
 defaults, taking turns prompt by prompt on held-out chat and HumanEval prompts; decode tok/s
 medians and the median of the paired ratios.
 
-    python benchmarks/ssd_vs_sd.py [--temperature 0] [--prompts 8] [--max-tokens 128] [--ssd-draft PATH] [--fan-out-budget N]
+    python benchmarks/ssd_vs_sd.py [--temperature 0] [--prompts 8] [--max-tokens 128] [--ssd-draft PATH] [--fan-out-budget N] \
+        [--sd-k K] [--ssd-k K]
 
 --ssd-draft gives SSD's worker a draft of its own (SD keeps the shipped one); a deeper draft
 fills fewer branches within a verification, which --fan-out-budget sets.
@@ -26,10 +27,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ssd-draft", help="SSD's draft (default: SSD's default)")
+    parser.add_argument("--sd-k", type=int, default=5, help="SD's draft tokens per round")
+    parser.add_argument("--ssd-k", type=int, default=5, help="SSD's draft tokens per round")
     parser.add_argument("--fan-out-budget", type=int, default=16, help="SSD's cached branches per request")
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-    engines = {"sd": LLM(method="sd", num_threads=1), "ssd": LLM(method="ssd", ssd_draft=args.ssd_draft,
+    engines = {"sd": LLM(method="sd", num_threads=1, num_speculative_tokens=args.sd_k), "ssd": LLM(method="ssd", ssd_draft=args.ssd_draft, num_speculative_tokens=args.ssd_k,
                                                                      fan_out_budget=args.fan_out_budget)}
     try:
         for dataset in ("sharegpt", "humaneval"):
