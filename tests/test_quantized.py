@@ -11,7 +11,8 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from saguaro.models import loader, native
-from saguaro.models.quantized import GROUP, GroupInt4, GroupLinear, Int4Linear, Int8Linear, check_mode, native_tiles
+from saguaro.models.quantized import (GROUP, GroupInt4, GroupInt6, GroupLinear, Int4Linear, Int8Linear, check_mode,
+                                      native_tiles)
 from test_gguf import gguf_tensors, max_diff, saguaro_logits, write_gguf
 
 SHAPES = [(960, 576), (576, 1536), (64, 32)]  # SmolLM2's qkv and down projections, and a tiny one
@@ -107,10 +108,10 @@ KQUANT_SIZE = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hi
 TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q3_K, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 NATIVE_BITS = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: native.K6,  # types only saguaro's kernels run undequantized
-               Q.Q3_K: 6, Q.IQ4_NL: native.NL4, Q.IQ4_XS: native.NL4}
+               Q.Q3_K: native.K3, Q.IQ4_NL: native.NL4, Q.IQ4_XS: native.NL4}
 K_TYPES = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)  # gguf-py cannot quantize to these
 DECODED_TYPES = INT4_TYPES + (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)  # gguf_groups decodes these to codes (numpy)
-RECORD_TYPES = (Q.Q4_K, Q.Q6_K)  # in records of a 256-input block (K4, K6), which no Python packer writes
+RECORD_TYPES = (Q.Q3_K, Q.Q4_K, Q.Q6_K)  # in records of a 256-input block (K3, K4, K6), which no Python packer writes
 TOKENS = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
 
 
@@ -136,6 +137,27 @@ def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator, size:
         raw = rng.integers(0, 256, (blocks, 136), dtype=np.uint8)
         raw[:, 0:2] = np.array([5e-5 * size], dtype=np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
+
+
+def q3_k_groups(tensor) -> GroupInt6:
+    """A Q3_K tensor's codes (-4..3), sub-scales and d, decoded in numpy as ggml lays them out:
+    per block 32 bytes of top bits, 64 of two-bit codes, 12 of six-bit sub-scales, fp16 d."""
+    rows = tensor.shape[1] if len(tensor.shape) > 1 else 1
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, 110)
+    hmask, qs, scales = raw[:, :32], raw[:, 32:96], raw[:, 96:108].astype(np.int32)
+    codes = np.empty((len(raw), 256), dtype=np.int8)
+    for sb in range(8):
+        n, j = divmod(sb, 4)
+        low2 = (qs[:, 32 * n:32 * n + 32] >> (2 * j)) & 3
+        top = (hmask >> (4 * n + j)) & 1
+        codes[:, 32 * sb:32 * sb + 32] = low2.astype(np.int8) - 4 * (1 - top.astype(np.int8))
+    k = np.arange(16)
+    low4 = np.where(k < 8, scales[:, k % 8] & 15, scales[:, k % 8] >> 4)
+    top2 = (scales[:, 8 + k % 4] >> (2 * (k // 4))) & 3
+    subs = (low4 | (top2 << 4)) - 32
+    d = raw[:, 108:110].copy().view(np.float16).astype(np.float32)
+    return GroupInt6(torch.from_numpy(codes.reshape(rows, -1)), torch.from_numpy(d.reshape(rows, -1)),
+                     torch.from_numpy(subs.astype(np.int8).reshape(rows, -1)))
 
 
 def projection_blocks(source, kind: Q) -> dict[str, tuple[np.ndarray, Q]]:
@@ -279,20 +301,24 @@ def test_tiles_repacked_from_the_file_are_those_of_the_decoded_codes(kind, sourc
 @pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
 @pytest.mark.parametrize("kind", RECORD_TYPES, ids=lambda kind: kind.name)
 def test_k_quant_records_multiply_as_the_documented_arithmetic_of_their_codes(kind, source, tmp_path):
-    """Q4_K and Q6_K in records of a whole block (their scales held once, as the file holds
-    them): the products are group_matmul.c's arithmetic on the codes gguf_groups decodes
-    (checked against gguf-py), in the file's row order and another; the dequantized rows are
-    gguf-py's."""
+    """Q3_K, Q4_K and Q6_K in records of a whole block (their scales held once, as the file holds
+    them): the products are group_matmul.c's arithmetic on the codes gguf_groups (Q3_K:
+    q3_k_groups) decodes (checked against gguf-py), in the file's row order and another; the
+    dequantized rows are gguf-py's."""
     from test_native import kernel_arithmetic, q6_arithmetic
 
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
     tensor = next(t for t in gguf.GGUFReader(str(file)).tensors if t.tensor_type == kind)
-    blocks, groups = loader.file_blocks(tensor), loader.gguf_groups(tensor)
+    blocks = loader.file_blocks(tensor)
+    groups = q3_k_groups(tensor) if kind == Q.Q3_K else loader.gguf_groups(tensor)
     x = torch.randn(5, blocks.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
     x[3] = 0
+    expected = torch.from_numpy(np.asarray(loader.dequantize_gguf(tensor), dtype=np.float32))
+    torch.testing.assert_close(groups.dequantize(), expected, rtol=0, atol=0)  # the codes are the file's
 
     def arithmetic(codes):
-        return q6_arithmetic(x, codes) if kind == Q.Q6_K else kernel_arithmetic(x, codes.codes, codes.scales, codes.lows)
+        return q6_arithmetic(x, codes) if isinstance(codes, GroupInt6) else \
+            kernel_arithmetic(x, codes.codes, codes.scales, codes.lows)
 
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
     for weights, codes in ((blocks, groups), (blocks.rows(order), groups.rows(order))):
@@ -301,7 +327,6 @@ def test_k_quant_records_multiply_as_the_documented_arithmetic_of_their_codes(ki
         assert tiles.numel() == weights.shape[0] // 16 * (weights.shape[1] // 32) * native.TILE_BYTES[bits]
         out = native.group_matmul(bits, tiles, x, weights.shape[0], torch.float32)
         assert relative_error(out, arithmetic(codes)) < 1e-5
-    expected = torch.from_numpy(np.asarray(loader.dequantize_gguf(tensor), dtype=np.float32))
     torch.testing.assert_close(blocks.dequantize(), expected, rtol=1e-6, atol=0)
     # Control: the file's rows against the reordered codes are other products.
     out = native.group_matmul(bits, blocks.tiles(), x, blocks.shape[0], torch.float32)
@@ -311,7 +336,7 @@ def test_k_quant_records_multiply_as_the_documented_arithmetic_of_their_codes(ki
 @pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
 @pytest.mark.parametrize("kind", [Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS], ids=lambda kind: kind.name)
 def test_blocks_only_repack_decodes_multiply_as_their_dequantized_weights(kind, source, tmp_path):
-    """Q3_K (in Q6_K's tiles) and IQ4 (codes indexing a table of non-linear values): repack.c
+    """Q3_K (its codes in two planes) and IQ4 (codes indexing a table of non-linear values): repack.c
     dequantizes them as gguf-py does, and the products are those weights' up to the 8-bit
     activations."""
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))

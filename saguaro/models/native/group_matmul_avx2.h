@@ -102,6 +102,18 @@ TARGET static inline __m256i dot_signed(__m256i sum, __m256i codes, __m256i q) {
  * bits is the kind's code_width. */
 TARGET static inline __attribute__((always_inline)) void codes_of(int bits, const uint8_t *tile, int u, int h,
                                                                   __m256i *first, __m256i *second) {
+    if (bits == 3) { /* K3: two bits from each half's chunk, the third from the tops (group_matmul.c) */
+        const __m256i two = _mm256_set1_epi8(0x03), third = _mm256_set1_epi8(0x04);
+        const __m256i tops = _mm256_loadu_si256((const __m256i *)(tile + 128 + 32 * h));
+        const __m256i low0 = _mm256_loadu_si256((const __m256i *)(tile + 32 * h));
+        const __m256i low1 = _mm256_loadu_si256((const __m256i *)(tile + 64 + 32 * h));
+        *first = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 2 * u), two),
+                                 _mm256_and_si256(u < 2 ? _mm256_slli_epi16(tops, 2 - u) : _mm256_srli_epi16(tops, u - 2),
+                                                  third));
+        *second = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 2 * u), two),
+                                  _mm256_and_si256(_mm256_srli_epi16(tops, u + 2), third));
+        return;
+    }
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     const __m256i w = _mm256_loadu_si256((const __m256i *)(tile + 64 * u + 32 * h));
     *first = _mm256_and_si256(w, nibble);
@@ -135,14 +147,14 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t groups, float *sums_out) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
-    const int width = code_width(bits), blocked = bits == K4 || bits == K6;
-    __m256 acc[MAX_ROWS][2], block_d[2], block_neg_dmin[2]; /* K4, K6: per half */
+    const int width = code_width(bits), blocked = bits == K3 || bits == K4 || bits == K6;
+    const int halves_apart = width == 6 || width == 3;
+    __m256 acc[MAX_ROWS][2], block_d[2], block_neg_dmin[2]; /* K3, K4, K6: per half */
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     block_d[0] = block_d[1] = block_neg_dmin[0] = block_neg_dmin[1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *record = tiles + (g / BLOCK_GROUPS) * BLOCK_GROUPS * tile_bytes; /* K4, K6 */
-        const uint8_t *tile = bits == K4 ? record + K4_CODES + (g % BLOCK_GROUPS) * 256
-                            : bits == K6 ? record + K6_CODES + (g % BLOCK_GROUPS) * 384 : tiles + g * tile_bytes;
+        const uint8_t *record = tiles + (g / BLOCK_GROUPS) * BLOCK_GROUPS * tile_bytes; /* K3, K4, K6 */
+        const uint8_t *tile = blocked ? record_codes(bits, record, g) : tiles + g * tile_bytes;
         if (blocked && g % BLOCK_GROUPS == 0) /* the block's d (and -dmin), converted once */
             for (int h = 0; h < 2; h++) {
                 block_d[h] = halves(record + 16 * h);
@@ -165,7 +177,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                         if (bits == NL4) {
                             dots[r][h][0] = dot_signed(dots[r][h][0], first[h], qa);
                             dots[r][h][0] = dot_signed(dots[r][h][0], second[h], qb);
-                        } else if (width == 6) {
+                        } else if (halves_apart) {
                             dots[r][h][0] = dot_unsigned(dots[r][h][0], first[h], qa);
                             dots[r][h][1] = dot_unsigned(dots[r][h][1], second[h], qb);
                         } else {
@@ -189,15 +201,15 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             }
         }
         for (int h = 0; h < 2; h++) {
-            if (width == 6) {
-                const uint8_t *subs = (bits == K6 ? record + 32 + 32 * (g % BLOCK_GROUPS) : tile + 384) + 8 * h;
+            if (halves_apart) {
+                const uint8_t *subs = (blocked ? record + 32 + 32 * (g % BLOCK_GROUPS) : tile + 384) + 8 * h;
                 const __m256i scale0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)subs));
                 const __m256i scale1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(subs + 16)));
-                const __m256 d = bits == K6 ? block_d[h] : halves(tile + 416 + 16 * h);
+                const __m256 d = blocked ? block_d[h] : halves(tile + 416 + 16 * h);
                 for (int r = 0; r < R; r++) {
                     const QuantizedGroup *x = xq + r * groups + g;
-                    const __m256i first = _mm256_sub_epi32(dots[r][h][0], _mm256_set1_epi32(32 * x->half_qsum[0]));
-                    const __m256i second = _mm256_sub_epi32(dots[r][h][1], _mm256_set1_epi32(32 * x->half_qsum[1]));
+                    const __m256i first = _mm256_sub_epi32(dots[r][h][0], _mm256_set1_epi32(code_offset(width) * x->half_qsum[0]));
+                    const __m256i second = _mm256_sub_epi32(dots[r][h][1], _mm256_set1_epi32(code_offset(width) * x->half_qsum[1]));
                     const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(first, scale0), _mm256_mullo_epi32(second, scale1));
                     acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[r][h]);
                 }

@@ -21,8 +21,10 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q
 #define SYM4 100 /* group_matmul.c's Q4_0 tile kind */
 #define K4 124 /* group_matmul.c's Q4_K record kind */
 #define K6 126 /* group_matmul.c's Q6_K record kind */
+#define K3 123 /* group_matmul.c's Q3_K record kind */
 #define K4_CODES 320 /* where a K4 record's codes begin, after its block parameters */
 #define K6_CODES 288 /* and a K6 record's */
+#define K3_CODES 288 /* and a K3 record's */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 typedef struct {
@@ -50,7 +52,7 @@ int saguaro_type_bits(int type) {
         case Q4_1: return 4;
         case Q4_K: return K4;
         case Q5_0: case Q5_1: case Q5_K: return 5;
-        case Q3_K: return 6; /* Q3_K's codes -4..3 and sub-scales fit Q6_K's per-group tiles */
+        case Q3_K: return K3;
         case Q6_K: return K6;
         case Q8_0: return 8;
         case IQ4_NL: case IQ4_XS: return NL4;
@@ -238,6 +240,31 @@ TARGET static void q6_k_block_record(const uint8_t *b, uint8_t *record, int j) {
     memcpy(record + 2 * j, b + 208, 2);
 }
 
+/* Q3_K: row j of a 256-weight block's K3 record: d, the sub-scales as K6's, then each group's
+ * codes (0..7, the value plus 4) as two planes, the low two bits and the top one. */
+TARGET static void q3_k_block_record(const uint8_t *b, uint8_t *record, int j) {
+    for (int sb = 0; sb < 8; sb++) {
+        Group group;
+        decode_group(Q3_K, b, sb, &group); /* the block as a one-block row */
+        uint8_t *codes = record + K3_CODES + 192 * sb;
+        for (int t = 0; t < 4; t++) {
+            uint8_t low[2] = {0, 0}, top = 0;
+            for (int s = 0; s < 2; s++)
+                for (int u = 0; u < 4; u++) {
+                    const int c = group.code[16 * s + 4 * u + t] - 28; /* decode_group's value + 32, as + 4 */
+                    low[s] |= (uint8_t)((c & 3) << (2 * u));
+                    top |= (uint8_t)(((c >> 2) & 1) << (4 * s + u));
+                }
+            codes[4 * j + t] = low[0];
+            codes[64 + 4 * j + t] = low[1];
+            codes[128 + 4 * j + t] = top;
+        }
+        record[32 + 32 * sb + j] = (uint8_t)group.sub[0];
+        record[32 + 32 * sb + 16 + j] = (uint8_t)group.sub[1];
+    }
+    memcpy(record + 2 * j, b + 108, 2);
+}
+
 /* One tile (16 outputs x 32 inputs) from its 16 rows' decoded groups, laid out as
  * group_matmul.c reads it. */
 TARGET static void write_tile(int bits, const Group *groups, uint8_t *tile) {
@@ -296,7 +323,7 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
     const int bits = saguaro_type_bits(type);
     if (!bits || rows % TILE_OUT || cols % block_weights(type)) return -2;
     const int64_t groups = cols / GROUP, tile_bytes = saguaro_tile_bytes(bits);
-    if (type == Q4_K || type == Q6_K) {
+    if (type == Q3_K || type == Q4_K || type == Q6_K) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t column = 0; column < rows / TILE_OUT; column++)
             for (int64_t block = 0; block < cols / 256; block++)
@@ -305,7 +332,8 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
                     const uint8_t *b = data + (order ? order[r] : r) * row_bytes + block * block_bytes(type);
                     uint8_t *record = tiles + (column * groups + block * 8) * tile_bytes;
                     if (type == Q4_K) q4_k_block_record(b, record, j);
-                    else q6_k_block_record(b, record, j);
+                    else if (type == Q6_K) q6_k_block_record(b, record, j);
+                    else q3_k_block_record(b, record, j);
                 }
         return 0;
     }
