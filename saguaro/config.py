@@ -147,10 +147,6 @@ class SpeculativeConfig:
                                   "runs; AR where the target has no draft)", choices=METHODS)
     draft: str | None = _option(None, "draft model: a known name or a checkpoint path (default: the target's "
                                       "shipped draft)")
-    ssd_draft: str | None = _option(None, "SSD's draft model, whose steps its worker hides behind verification, "
-                                          "so it may be deeper than SD's: a known name or a checkpoint path "
-                                          "(default: the target's shipped SSD draft where it has one, else "
-                                          "--draft)", group="ssd")
     num_speculative_tokens: int = _option(5, "draft tokens per round (K; auto: the most); a token tree's depth",
                                          "-k", "--num-speculative-tokens", "--speculative-num-steps")
     prompt_lookup: int | None = _option(2, "where the last N tokens occurred earlier in the text, speculate "
@@ -190,6 +186,10 @@ class SpeculativeConfig:
     num_draft_tokens: int | None = _option(None, "the nodes of a token tree the target verifies (SGLang's "
                                                  "speculative_num_draft_tokens)", "--num-draft-tokens",
                                            "--speculative-num-draft-tokens", described="2K", metavar="N")
+    ssd_draft: str | None = _option(None, "SSD's draft model, whose steps its worker hides behind verification, "
+                                          "so it may be deeper than SD's: a known name or a checkpoint path "
+                                          "(default: the target's shipped SSD draft where it has one, else "
+                                          "--draft)", group="ssd")
 
     def __post_init__(self):
         if self.method not in METHODS:

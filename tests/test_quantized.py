@@ -105,13 +105,13 @@ def test_modes_are_checked():
 # hidden 256 and intermediate 512: the K-quants' 256-weight blocks run along every input.
 KQUANT_SIZE = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q3_K, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 NATIVE_BITS = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: native.K6,  # types only saguaro's kernels run undequantized
-               Q.Q3_K: native.K3, Q.IQ4_NL: native.NL4, Q.IQ4_XS: native.NL4}
-K_TYPES = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)  # gguf-py cannot quantize to these
+               Q.Q2_K: native.K2, Q.Q3_K: native.K3, Q.IQ4_NL: native.NL4, Q.IQ4_XS: native.NL4}
+K_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)  # gguf-py cannot quantize to these
 DECODED_TYPES = INT4_TYPES + (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)  # gguf_groups decodes these to codes (numpy)
-RECORD_TYPES = (Q.Q3_K, Q.Q4_K, Q.Q6_K)  # in records of a 256-input block (K3, K4, K6), which no Python packer writes
+RECORD_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K)  # in records of a 256-input block, which no Python packer writes
 TOKENS = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
 
 
@@ -127,6 +127,10 @@ def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator, size:
     elif kind == Q.Q6_K:  # 128 + 64 bytes of codes, 16 int8 scales, d (fp16)
         raw = rng.integers(0, 256, (blocks, 210), dtype=np.uint8)
         raw[:, 208:210] = np.array([2e-5 * size], dtype=np.float16).view(np.uint8)
+    elif kind == Q.Q2_K:  # 16 bytes of four-bit scales and mins, 64 of two-bit codes, d and dmin (fp16)
+        raw = rng.integers(0, 256, (blocks, 84), dtype=np.uint8)
+        # dmin = 1.5 d: the mins take off what the codes (1.5 on average) add, as a real file's do
+        raw[:, 80:84] = np.array([2e-3 * size, 3e-3 * size], dtype=np.float16).view(np.uint8)
     elif kind == Q.Q3_K:  # 32 bytes of top bits, 64 of two-bit codes, 12 of six-bit scales, d (fp16)
         raw = rng.integers(0, 256, (blocks, 110), dtype=np.uint8)
         raw[:, 108:110] = np.array([2e-3 * size], dtype=np.float16).view(np.uint8)
@@ -158,6 +162,24 @@ def q3_k_groups(tensor) -> GroupInt6:
     d = raw[:, 108:110].copy().view(np.float16).astype(np.float32)
     return GroupInt6(torch.from_numpy(codes.reshape(rows, -1)), torch.from_numpy(d.reshape(rows, -1)),
                      torch.from_numpy(subs.astype(np.int8).reshape(rows, -1)))
+
+
+def q2_k_arithmetic(x: torch.Tensor, tensor) -> torch.Tensor:
+    """group_matmul.c's K2 arithmetic in float64, from a Q2_K tensor's blocks decoded in numpy:
+    x ~ d q per group of 32, then per half group d * scale * sum(code q) - dmin * min * sum(q)."""
+    rows = tensor.shape[1]
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, 84)
+    scales, qs = raw[:, :16], raw[:, 16:80]
+    d, dmin = (raw[:, 80 + 2 * i:82 + 2 * i].copy().view(np.float16).astype(np.float64) for i in range(2))
+    codes = np.concatenate([(qs[:, 32 * (sb // 4):32 * (sb // 4) + 32] >> (2 * (sb % 4))) & 3 for sb in range(8)], axis=1)
+    codes = torch.from_numpy(codes.astype(np.float64).reshape(rows, -1, 16))  # [out, half groups, 16]
+    scale = torch.from_numpy((d * (scales & 15)).reshape(rows, -1))
+    low = torch.from_numpy((-dmin * (scales >> 4)).reshape(rows, -1))
+    groups = x.float().reshape(x.shape[0], -1, GROUP)
+    top = groups.abs().amax(-1, keepdim=True)
+    q = torch.round(groups * torch.where(top > 0, torch.full_like(top, 127).div(top), 0)).double().reshape(x.shape[0], -1, 16)
+    dx = (top / 127).double()[..., 0].repeat_interleave(2, dim=1)
+    return (torch.einsum("rhi,ohi,oh,rh->ro", q, codes, scale, dx) + torch.einsum("rh,oh,rh->ro", q.sum(-1), low, dx))
 
 
 def projection_blocks(source, kind: Q) -> dict[str, tuple[np.ndarray, Q]]:
@@ -310,27 +332,31 @@ def test_k_quant_records_multiply_as_the_documented_arithmetic_of_their_codes(ki
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
     tensor = next(t for t in gguf.GGUFReader(str(file)).tensors if t.tensor_type == kind)
     blocks = loader.file_blocks(tensor)
-    groups = q3_k_groups(tensor) if kind == Q.Q3_K else loader.gguf_groups(tensor)
     x = torch.randn(5, blocks.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
     x[3] = 0
     expected = torch.from_numpy(np.asarray(loader.dequantize_gguf(tensor), dtype=np.float32))
-    torch.testing.assert_close(groups.dequantize(), expected, rtol=0, atol=0)  # the codes are the file's
-
-    def arithmetic(codes):
-        return q6_arithmetic(x, codes) if isinstance(codes, GroupInt6) else \
-            kernel_arithmetic(x, codes.codes, codes.scales, codes.lows)
-
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
-    for weights, codes in ((blocks, groups), (blocks.rows(order), groups.rows(order))):
+    if kind == Q.Q2_K:  # its arithmetic read from the blocks (per half group: a scale and a min)
+        groups = None
+        products = {False: q2_k_arithmetic(x, tensor)}
+        products[True] = products[False][:, order]
+    else:
+        groups = q3_k_groups(tensor) if kind == Q.Q3_K else loader.gguf_groups(tensor)
+        torch.testing.assert_close(groups.dequantize(), expected, rtol=0, atol=0)  # the codes are the file's
+        products = {reordered: q6_arithmetic(x, codes) if isinstance(codes, GroupInt6) else
+                    kernel_arithmetic(x, codes.codes, codes.scales, codes.lows)
+                    for reordered, codes in ((False, groups), (True, groups.rows(order)))}
+
+    for reordered, weights in ((False, blocks), (True, blocks.rows(order))):
         bits, tiles = native_tiles(weights)
         assert bits == native.type_bits(kind)  # the file's density: 16 outputs x 32 inputs in TILE_BYTES
         assert tiles.numel() == weights.shape[0] // 16 * (weights.shape[1] // 32) * native.TILE_BYTES[bits]
         out = native.group_matmul(bits, tiles, x, weights.shape[0], torch.float32)
-        assert relative_error(out, arithmetic(codes)) < 1e-5
+        assert relative_error(out, products[reordered]) < 1e-5
     torch.testing.assert_close(blocks.dequantize(), expected, rtol=1e-6, atol=0)
     # Control: the file's rows against the reordered codes are other products.
     out = native.group_matmul(bits, blocks.tiles(), x, blocks.shape[0], torch.float32)
-    assert relative_error(out, arithmetic(groups.rows(order))) > 0.1
+    assert relative_error(out, products[True]) > 0.1
 
 
 @pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")

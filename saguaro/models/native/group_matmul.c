@@ -37,6 +37,10 @@
  *    holding at bits 2u, 2u + 1 those of output j's input 16s + 4u + t; then 64 bytes whose byte
  *    4j + t holds at bit 4s + u the top bit of that code. w = (c - 4) * sub * d, summed per half
  *    group as K6's: 3.56 bits a weight (the file's 3.44).
+ *  - K2 records (Q2_K), 1344 bytes: 16 fp16 d, 16 fp16 dmin, 8 x 32 bytes of each half group's
+ *    four-bit scale (low nibble) and min (high nibble), laid out as K6's sub-scales, then 8 groups
+ *    of 128 code bytes (from K2_CODES) holding codes 0..3 as K3's two-bit planes. w = d * scale *
+ *    c - dmin * min: the file's 2.625 bits a weight.
  *  - 8-bit, 544 bytes: 8 chunks of 64 bytes, byte 4j + t of chunk k holding output j's code for
  *    input 4k + t plus 128 (so unsigned); 16 fp16 scales (the low is zero).
  *  - symmetric 4-bit (Q4_0; kind SYM4), 288 bytes: the 4-bit record without its lows, a code c
@@ -66,10 +70,12 @@
 #define K4 124 /* the Q4_K record kind */
 #define K6 126 /* the Q6_K record kind */
 #define K3 123 /* the Q3_K record kind */
-#define BLOCK_GROUPS 8 /* groups in a K3 / K4 / K6 record: a K-quant's 256-input block */
+#define K2 122 /* the Q2_K record kind */
+#define BLOCK_GROUPS 8 /* groups in a K2 / K3 / K4 / K6 record: a K-quant's 256-input block */
 #define K4_CODES 320 /* where a K4 record's codes begin, after its block parameters */
 #define K6_CODES 288 /* and a K6 record's */
 #define K3_CODES 288 /* and a K3 record's */
+#define K2_CODES 320 /* and a K2 record's */
 #define HEADER_BYTES 64
 #define MAX_PARTS 3
 
@@ -90,23 +96,26 @@ int saguaro_cpu_supported(void) {
 }
 #endif
 
-/* Bytes a kind takes per group of 32 inputs and 16 outputs (K3, K4, K6: their record's over 8). */
+/* Bytes a kind takes per group of 32 inputs and 16 outputs (K2, K3, K4, K6: their record's over 8). */
 int64_t saguaro_tile_bytes(int bits) {
     return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : bits == 8 ? 544 : bits == NL4 || bits == SYM4 ? 288
-         : bits == K4 ? 296 : bits == K6 ? 420 : bits == K3 ? 228 : 1024;
+         : bits == K4 ? 296 : bits == K6 ? 420 : bits == K3 ? 228 : bits == K2 ? 168 : 1024;
 }
 
 /* The codes' layout a kind's groups share: K4's is the 4-bit record's, K6's the 6-bit one's. */
-static inline int code_width(int bits) { return bits == K4 ? 4 : bits == K6 ? 6 : bits == K3 ? 3 : bits; }
+static inline int code_width(int bits) {
+    return bits == K4 ? 4 : bits == K6 ? 6 : bits == K3 ? 3 : bits == K2 ? 2 : bits;
+}
 
 /* Where group g's codes begin in a K-quant's records (kinds with records of BLOCK_GROUPS). */
 static inline const uint8_t *record_codes(int bits, const uint8_t *record, int64_t g) {
     return bits == K4 ? record + K4_CODES + (g % BLOCK_GROUPS) * 256
-         : bits == K6 ? record + K6_CODES + (g % BLOCK_GROUPS) * 384 : record + K3_CODES + (g % BLOCK_GROUPS) * 192;
+         : bits == K6 ? record + K6_CODES + (g % BLOCK_GROUPS) * 384
+         : bits == K3 ? record + K3_CODES + (g % BLOCK_GROUPS) * 192 : record + K2_CODES + (g % BLOCK_GROUPS) * 128;
 }
 
-/* Codes offset so as to be unsigned (6-bit: by 32; K3: by 4), taken off each half group's sum. */
-static inline int code_offset(int width) { return width == 6 ? 32 : 4; }
+/* Codes offset so as to be unsigned (6-bit: by 32; K3: by 4; K2's are), taken off each half group's sum. */
+static inline int code_offset(int width) { return width == 6 ? 32 : width == 3 ? 4 : 0; }
 
 /* One row's group of activations, rounded to 8 bits. */
 typedef struct {
@@ -202,41 +211,43 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t groups, float *sums_out) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
-    const int width = code_width(bits), blocked = bits == K3 || bits == K4 || bits == K6;
+    const int width = code_width(bits), blocked = bits == K2 || bits == K3 || bits == K4 || bits == K6;
     /* Tiles are fetched PREFETCH_TILES ahead, but for one row of the 4- and 8-bit kinds (not
      * K4), which the hardware's prefetcher streams faster alone (tile_rows.py, one core, from
      * memory: 1.1-1.2x at one row; left alone at six rows, 0.7x). */
     const int prefetched = R > 1 || !(bits == 4 || bits == SYM4 || bits == NL4 || bits == 8);
-    __m512 acc[MAX_ROWS], block_d = _mm512_setzero_ps(), block_neg_dmin = _mm512_setzero_ps(); /* K3, K4, K6 */
+    __m512 acc[MAX_ROWS], block_d = _mm512_setzero_ps(), block_neg_dmin = _mm512_setzero_ps(); /* K-quants */
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *record = tiles + (g / BLOCK_GROUPS) * BLOCK_GROUPS * tile_bytes; /* K3, K4, K6 */
+        const uint8_t *record = tiles + (g / BLOCK_GROUPS) * BLOCK_GROUPS * tile_bytes; /* K-quants */
         const uint8_t *tile = blocked ? record_codes(bits, record, g) : tiles + g * tile_bytes;
         if (blocked && g % BLOCK_GROUPS == 0) { /* the block's d (and -dmin), converted once */
             block_d = halves(record);
-            if (bits == K4) block_neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(record + 32));
+            if (bits == K4 || bits == K2) block_neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(record + 32));
         }
         if (prefetched)
             for (int64_t line = 0; line < tile_bytes; line += 64)
                 _mm_prefetch((const char *)tiles + (g + PREFETCH_TILES) * tile_bytes + line, _MM_HINT_T0);
         /* Integer sums, exact in any order: two chains per row where few rows leave the
          * multiplier idle, one where eight rows would run out of registers. */
-        const int halves_apart = width == 6 || width == 3; /* one chain per half, scaled apart */
+        const int halves_apart = width == 6 || width == 3 || width == 2; /* one chain per half, scaled apart */
         const int second_chain = halves_apart || R <= 4;
         __m512i dots[MAX_ROWS][2];
         for (int r = 0; r < R; r++) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
         if (width != 8) {
             for (int u = 0; u < 4; u++) {
                 __m512i first, second;
-                if (width == 3) {
-                    const __m512i two = _mm512_set1_epi8(0x03), third = _mm512_set1_epi8(0x04);
-                    const __m512i tops = _mm512_loadu_si512((const void *)(tile + 128));
-                    first = _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)tile), 2 * u), two),
-                        _mm512_and_si512(u < 2 ? _mm512_slli_epi16(tops, 2 - u) : _mm512_srli_epi16(tops, u - 2), third));
-                    second = _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)(tile + 64)), 2 * u), two),
-                        _mm512_and_si512(_mm512_srli_epi16(tops, u + 2), third));
+                if (width <= 3) { /* K2, K3: two-bit planes, and K3's third bit */
+                    const __m512i two = _mm512_set1_epi8(0x03);
+                    first = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)tile), 2 * u), two);
+                    second = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)(tile + 64)), 2 * u), two);
+                    if (width == 3) {
+                        const __m512i third = _mm512_set1_epi8(0x04);
+                        const __m512i tops = _mm512_loadu_si512((const void *)(tile + 128));
+                        first = _mm512_or_si512(first, _mm512_and_si512(
+                            u < 2 ? _mm512_slli_epi16(tops, 2 - u) : _mm512_srli_epi16(tops, u - 2), third));
+                        second = _mm512_or_si512(second, _mm512_and_si512(_mm512_srli_epi16(tops, u + 2), third));
+                    }
                 } else {
                     __m512i w = _mm512_loadu_si512((const void *)(tile + 64 * u));
                     first = _mm512_and_si512(w, nibble);
@@ -277,9 +288,17 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             }
         }
         if (halves_apart) {
-            const uint8_t *subs = blocked ? record + 32 + 32 * (g % BLOCK_GROUPS) : tile + 384;
-            const __m512i scale0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)subs));
-            const __m512i scale1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(subs + 16)));
+            const uint8_t *subs = blocked ? record + (bits == K2 ? 64 : 32) + 32 * (g % BLOCK_GROUPS) : tile + 384;
+            __m512i scale0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)subs));
+            __m512i scale1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(subs + 16)));
+            __m512 low0 = _mm512_setzero_ps(), low1 = _mm512_setzero_ps();
+            if (bits == K2) { /* four-bit scales and mins: -dmin * min, exact in fp32 */
+                const __m512i nibble32 = _mm512_set1_epi32(0x0F);
+                low0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(scale0, 4), nibble32)), block_neg_dmin);
+                low1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(scale1, 4), nibble32)), block_neg_dmin);
+                scale0 = _mm512_and_si512(scale0, nibble32);
+                scale1 = _mm512_and_si512(scale1, nibble32);
+            }
             const __m512 d = blocked ? block_d : halves(tile + 416);
             const int offset = code_offset(width);
             for (int r = 0; r < R; r++) {
@@ -288,6 +307,10 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                 __m512i second = _mm512_sub_epi32(dots[r][1], _mm512_set1_epi32(offset * x->half_qsum[1]));
                 __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(first, scale0), _mm512_mullo_epi32(second, scale1));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x->d)), acc[r]);
+                if (bits == K2) {
+                    acc[r] = _mm512_fmadd_ps(low0, _mm512_set1_ps(x->d * (float)x->half_qsum[0]), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(low1, _mm512_set1_ps(x->d * (float)x->half_qsum[1]), acc[r]);
+                }
             }
             continue;
         }
@@ -376,6 +399,7 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
             if (b == 16) tile_column_bf16(R, tiles_of_column, x + r0 * in_features, in_features, result);
             else if (b == NL4) { ROWS_OF(NL4) } else if (b == SYM4) { ROWS_OF(SYM4) }
             else if (b == K4) { ROWS_OF(K4) } else if (b == K6) { ROWS_OF(K6) } else if (b == K3) { ROWS_OF(K3) }
+            else if (b == K2) { ROWS_OF(K2) }
             else if (b == 4) { ROWS_OF(4) } else if (b == 5) { ROWS_OF(5) } else if (b == 6) { ROWS_OF(6) } else { ROWS_OF(8) }
 #undef ROWS_OF
 #undef CASE

@@ -102,16 +102,17 @@ TARGET static inline __m256i dot_signed(__m256i sum, __m256i codes, __m256i q) {
  * bits is the kind's code_width. */
 TARGET static inline __attribute__((always_inline)) void codes_of(int bits, const uint8_t *tile, int u, int h,
                                                                   __m256i *first, __m256i *second) {
-    if (bits == 3) { /* K3: two bits from each half's chunk, the third from the tops (group_matmul.c) */
+    if (bits <= 3) { /* K2, K3: two bits from each half's plane; K3's third from the tops (group_matmul.c) */
         const __m256i two = _mm256_set1_epi8(0x03), third = _mm256_set1_epi8(0x04);
-        const __m256i tops = _mm256_loadu_si256((const __m256i *)(tile + 128 + 32 * h));
-        const __m256i low0 = _mm256_loadu_si256((const __m256i *)(tile + 32 * h));
-        const __m256i low1 = _mm256_loadu_si256((const __m256i *)(tile + 64 + 32 * h));
-        *first = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 2 * u), two),
-                                 _mm256_and_si256(u < 2 ? _mm256_slli_epi16(tops, 2 - u) : _mm256_srli_epi16(tops, u - 2),
-                                                  third));
-        *second = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 2 * u), two),
-                                  _mm256_and_si256(_mm256_srli_epi16(tops, u + 2), third));
+        *first = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(tile + 32 * h)), 2 * u), two);
+        *second = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(tile + 64 + 32 * h)), 2 * u),
+                                   two);
+        if (bits == 3) {
+            const __m256i tops = _mm256_loadu_si256((const __m256i *)(tile + 128 + 32 * h));
+            *first = _mm256_or_si256(*first, _mm256_and_si256(
+                u < 2 ? _mm256_slli_epi16(tops, 2 - u) : _mm256_srli_epi16(tops, u - 2), third));
+            *second = _mm256_or_si256(*second, _mm256_and_si256(_mm256_srli_epi16(tops, u + 2), third));
+        }
         return;
     }
     const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -147,18 +148,18 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t groups, float *sums_out) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
-    const int width = code_width(bits), blocked = bits == K3 || bits == K4 || bits == K6;
-    const int halves_apart = width == 6 || width == 3;
-    __m256 acc[MAX_ROWS][2], block_d[2], block_neg_dmin[2]; /* K3, K4, K6: per half */
+    const int width = code_width(bits), blocked = bits == K2 || bits == K3 || bits == K4 || bits == K6;
+    const int halves_apart = width == 6 || width == 3 || width == 2;
+    __m256 acc[MAX_ROWS][2], block_d[2], block_neg_dmin[2]; /* K-quants: per half */
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     block_d[0] = block_d[1] = block_neg_dmin[0] = block_neg_dmin[1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *record = tiles + (g / BLOCK_GROUPS) * BLOCK_GROUPS * tile_bytes; /* K3, K4, K6 */
+        const uint8_t *record = tiles + (g / BLOCK_GROUPS) * BLOCK_GROUPS * tile_bytes; /* K-quants */
         const uint8_t *tile = blocked ? record_codes(bits, record, g) : tiles + g * tile_bytes;
         if (blocked && g % BLOCK_GROUPS == 0) /* the block's d (and -dmin), converted once */
             for (int h = 0; h < 2; h++) {
                 block_d[h] = halves(record + 16 * h);
-                if (bits == K4) block_neg_dmin[h] = _mm256_sub_ps(_mm256_setzero_ps(), halves(record + 32 + 16 * h));
+                if (bits == K4 || bits == K2) block_neg_dmin[h] = _mm256_sub_ps(_mm256_setzero_ps(), halves(record + 32 + 16 * h));
             }
         for (int64_t line = 0; line < tile_bytes; line += 64)
             _mm_prefetch((const char *)tiles + (g + PREFETCH_TILES) * tile_bytes + line, _MM_HINT_T0);
@@ -202,9 +203,19 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         }
         for (int h = 0; h < 2; h++) {
             if (halves_apart) {
-                const uint8_t *subs = (blocked ? record + 32 + 32 * (g % BLOCK_GROUPS) : tile + 384) + 8 * h;
-                const __m256i scale0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)subs));
-                const __m256i scale1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(subs + 16)));
+                const uint8_t *subs = (blocked ? record + (bits == K2 ? 64 : 32) + 32 * (g % BLOCK_GROUPS) : tile + 384) + 8 * h;
+                __m256i scale0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)subs));
+                __m256i scale1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(subs + 16)));
+                __m256 low0 = _mm256_setzero_ps(), low1 = _mm256_setzero_ps();
+                if (bits == K2) { /* as the AVX512 kernel */
+                    const __m256i nibble32 = _mm256_set1_epi32(0x0F);
+                    low0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(scale0, 4), nibble32)),
+                                         block_neg_dmin[h]);
+                    low1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(scale1, 4), nibble32)),
+                                         block_neg_dmin[h]);
+                    scale0 = _mm256_and_si256(scale0, nibble32);
+                    scale1 = _mm256_and_si256(scale1, nibble32);
+                }
                 const __m256 d = blocked ? block_d[h] : halves(tile + 416 + 16 * h);
                 for (int r = 0; r < R; r++) {
                     const QuantizedGroup *x = xq + r * groups + g;
@@ -212,6 +223,10 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                     const __m256i second = _mm256_sub_epi32(dots[r][h][1], _mm256_set1_epi32(code_offset(width) * x->half_qsum[1]));
                     const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(first, scale0), _mm256_mullo_epi32(second, scale1));
                     acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[r][h]);
+                    if (bits == K2) {
+                        acc[r][h] = _mm256_fmadd_ps(low0, _mm256_set1_ps(x->d * (float)x->half_qsum[0]), acc[r][h]);
+                        acc[r][h] = _mm256_fmadd_ps(low1, _mm256_set1_ps(x->d * (float)x->half_qsum[1]), acc[r][h]);
+                    }
                 }
                 continue;
             }

@@ -15,16 +15,18 @@
 #define TARGET __attribute__((target("f16c")))
 
 /* ggml's type ids */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
        IQ4_XS = 23 };
 #define NL4 104 /* group_matmul.c's IQ4 tile kind */
 #define SYM4 100 /* group_matmul.c's Q4_0 tile kind */
 #define K4 124 /* group_matmul.c's Q4_K record kind */
 #define K6 126 /* group_matmul.c's Q6_K record kind */
 #define K3 123 /* group_matmul.c's Q3_K record kind */
+#define K2 122 /* group_matmul.c's Q2_K record kind */
 #define K4_CODES 320 /* where a K4 record's codes begin, after its block parameters */
 #define K6_CODES 288 /* and a K6 record's */
 #define K3_CODES 288 /* and a K3 record's */
+#define K2_CODES 320 /* and a K2 record's */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 typedef struct {
@@ -52,6 +54,7 @@ int saguaro_type_bits(int type) {
         case Q4_1: return 4;
         case Q4_K: return K4;
         case Q5_0: case Q5_1: case Q5_K: return 5;
+        case Q2_K: return K2;
         case Q3_K: return K3;
         case Q6_K: return K6;
         case Q8_0: return 8;
@@ -63,14 +66,14 @@ int saguaro_type_bits(int type) {
 static int64_t block_bytes(int type) {
     switch (type) {
         case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24; case Q8_0: return 34;
-        case Q3_K: return 110; case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
+        case Q2_K: return 84; case Q3_K: return 110; case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
         case IQ4_NL: return 18; case IQ4_XS: return 136;
         default: return 0;
     }
 }
 
 static int64_t block_weights(int type) {
-    return type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS ? 256 : 32;
+    return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS ? 256 : 32;
 }
 
 /* Q4_K / Q5_K: the six-bit scale and min of sub-block j packed in 12 bytes */
@@ -265,6 +268,26 @@ TARGET static void q3_k_block_record(const uint8_t *b, uint8_t *record, int j) {
     memcpy(record + 2 * j, b + 108, 2);
 }
 
+/* Q2_K (16 bytes of four-bit scales and mins, one per 16 weights; 64 of two-bit codes; fp16 d
+ * and dmin): row j of a 256-weight block's K2 record, d and dmin, each half group's scale and
+ * min byte as the file holds it, then each group's codes in two planes, as K3's low two bits. */
+TARGET static void q2_k_block_record(const uint8_t *b, uint8_t *record, int j) {
+    for (int sb = 0; sb < 8; sb++) {
+        const uint8_t *qs = b + 16 + 32 * (sb / 4);
+        uint8_t *codes = record + K2_CODES + 128 * sb;
+        for (int t = 0; t < 4; t++)
+            for (int s = 0; s < 2; s++) {
+                uint8_t low = 0;
+                for (int u = 0; u < 4; u++) low |= (uint8_t)(((qs[16 * s + 4 * u + t] >> (2 * (sb % 4))) & 3) << (2 * u));
+                codes[64 * s + 4 * j + t] = low;
+            }
+        record[64 + 32 * sb + j] = b[2 * sb];
+        record[64 + 32 * sb + 16 + j] = b[2 * sb + 1];
+    }
+    memcpy(record + 2 * j, b + 80, 2);
+    memcpy(record + 32 + 2 * j, b + 82, 2);
+}
+
 /* One tile (16 outputs x 32 inputs) from its 16 rows' decoded groups, laid out as
  * group_matmul.c reads it. */
 TARGET static void write_tile(int bits, const Group *groups, uint8_t *tile) {
@@ -323,7 +346,7 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
     const int bits = saguaro_type_bits(type);
     if (!bits || rows % TILE_OUT || cols % block_weights(type)) return -2;
     const int64_t groups = cols / GROUP, tile_bytes = saguaro_tile_bytes(bits);
-    if (type == Q3_K || type == Q4_K || type == Q6_K) {
+    if (type == Q2_K || type == Q3_K || type == Q4_K || type == Q6_K) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t column = 0; column < rows / TILE_OUT; column++)
             for (int64_t block = 0; block < cols / 256; block++)
@@ -333,7 +356,8 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
                     uint8_t *record = tiles + (column * groups + block * 8) * tile_bytes;
                     if (type == Q4_K) q4_k_block_record(b, record, j);
                     else if (type == Q6_K) q6_k_block_record(b, record, j);
-                    else q3_k_block_record(b, record, j);
+                    else if (type == Q3_K) q3_k_block_record(b, record, j);
+                    else q2_k_block_record(b, record, j);
                 }
         return 0;
     }
@@ -386,6 +410,16 @@ TARGET static void q6_k_block_weights(const uint8_t *b, float *w) {
     }
 }
 
+/* Q2_K's 256 weights of block b: d * scale * code - dmin * min, as ggml and gguf-py give them. */
+TARGET static void q2_k_block_weights(const uint8_t *b, float *w) {
+    const float d = half_at(b + 80), dmin = half_at(b + 82);
+    for (int i = 0; i < 256; i++) {
+        const int sb = i / 32, l = i % 32, sc = b[2 * sb + l / 16];
+        const int code = (b[16 + 32 * (sb / 4) + l] >> (2 * (sb % 4))) & 3;
+        w[i] = d * (float)(sc & 15) * (float)code - dmin * (float)(sc >> 4);
+    }
+}
+
 /* out[i] = row ids[i] dequantized, in fp32 or bf16 (rounded to nearest even). Returns 0, or -2. */
 TARGET int saguaro_dequantize_rows(int type, const uint8_t *data, int64_t row_bytes, int64_t cols, const int64_t *ids,
                                    int64_t count, void *out, int out_bf16, int threads) {
@@ -399,6 +433,8 @@ TARGET int saguaro_dequantize_rows(int type, const uint8_t *data, int64_t row_by
         for (int64_t start = 0; start < cols; start += per_block) {
             if (type == Q6_K) {
                 q6_k_block_weights(row + start / per_block * block_bytes(type), w);
+            } else if (type == Q2_K) {
+                q2_k_block_weights(row + start / per_block * block_bytes(type), w);
             } else {
                 for (int64_t g = 0; g < per_block / GROUP; g++) {
                     Group group;
