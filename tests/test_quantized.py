@@ -360,6 +360,16 @@ def test_k_quant_records_multiply_as_the_documented_arithmetic_of_their_codes(ki
 
 
 @pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+def test_parts_of_a_projection_in_blocks_and_in_plain_weights_stack_dequantized(source, tmp_path):
+    """A fused projection whose parts are blocks the kernels read and weights they do not (a
+    type without kernels beside K-quants, as once Q2_K's q beside Q3_K's v) loads dequantized."""
+    file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, Q.Q4_K))
+    blocks = loader.file_blocks(next(t for t in gguf.GGUFReader(str(file)).tensors if t.tensor_type == Q.Q4_K))
+    plain = torch.randn(16, blocks.shape[1])
+    assert torch.equal(loader._cat([blocks, plain]), torch.cat([blocks.dequantize(), plain]))
+
+
+@pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
 @pytest.mark.parametrize("kind", [Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS], ids=lambda kind: kind.name)
 def test_blocks_only_repack_decodes_multiply_as_their_dequantized_weights(kind, source, tmp_path):
     """Q3_K (its codes in two planes) and IQ4 (codes indexing a table of non-linear values): repack.c

@@ -393,7 +393,7 @@ def _cat(parts: list) -> torch.Tensor | GroupCodes | StackedCodes:
             same = type(part) is type(merged[-1]) and not isinstance(part, FileBlocks)
             merged[-1:] = [type(part).cat([merged[-1], part])] if same else [merged[-1], part]
         return StackedCodes(merged)
-    return torch.cat([p.dequantize() if isinstance(p, GroupCodes) else p for p in parts])
+    return torch.cat([p.dequantize() if isinstance(p, (GroupCodes, FileBlocks)) else p for p in parts])
 
 
 def native_head(weight) -> bool:
