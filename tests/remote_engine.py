@@ -43,7 +43,7 @@ def main(target_dir: str, draft_dir: str, address: str, prompts_json: str) -> No
     ssd = ssd_decoder(target, client, backup="neural")
     try:
         got = greedy(ssd, prompts)
-        listening = sorted(listening_addresses(os.getpid()))  # the rendezvous store's and gloo's
+        listening = sorted(listening_addresses(os.getpid()))  # the rendezvous store's and the connection's
         stats = ssd_of(ssd).stats
         report = {"ssd": got, "ar": greedy(ar_decoder(target), prompts), "rounds": len(stats.verify_s),
                   "bytes_sent": client.channel.bytes_sent, "bytes_received": client.channel.bytes_received,

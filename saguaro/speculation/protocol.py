@@ -1,11 +1,12 @@
 """The wire between the target (rank 0) and the draft worker (rank 1).
 
-Messages are small dataclasses pickled into one byte tensor and sent point-to-point through a
-`torch.distributed` process group of its own (gloo on CPU, NCCL on CUDA), so two engines can
-share a host and the worker can live on another one. Only token ids, outcome keys and, at
-temperature > 0, the proposal distributions verification needs (as their proposal_top
-(token, probability) pairs), and for an EAGLE draft the target's hidden states of the
-committed tokens cross the wire.
+Messages are small dataclasses, pickled and sent point-to-point: over a TCP connection of their
+own when the worker's messages go through the host (a round trip of about 25 us on loopback,
+where a gloo pair took 300), or through an NCCL pair between two GPUs; a TCPStore is the
+rendezvous. Two engines can share a host and the worker can live on another one. Only token
+ids, outcome keys and, at temperature > 0, the proposal distributions verification needs (as
+their proposal_top (token, probability) pairs), and for an EAGLE draft the target's hidden
+states of the committed tokens cross the wire.
 """
 from __future__ import annotations
 
@@ -152,13 +153,6 @@ class Ready:
 
 # --- channel ---------------------------------------------------------------------------------
 
-def route_address(host: str, port: int) -> str:
-    """This machine's address on the route to host: the one the peer there can reach."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))  # UDP: picks the route, sends nothing
-        return probe.getsockname()[0]
-
-
 def listening_socket(host: str, port: int) -> socket.socket:
     """A socket listening on exactly host:port (port 0: a free one), for the rendezvous store:
     torch's own listens on every interface, IPv4 and IPv6."""
@@ -176,15 +170,18 @@ def _proof(secret: str, role: bytes, nonce: bytes) -> bytes:
 
 PROOF_BYTES = 32
 FRAME_BYTES = 2048  # a message's first transfer: its length and as much of it as fits (a greedy round's whole)
-JOINED = "saguaro/joined"  # the store key a worker sets before it builds the group
+JOINED = "saguaro/joined"  # the store key a worker sets once connected (or about to build its NCCL pair)
+DATA_PORT = "saguaro/data_port"  # the store key under which the engine gives its connection's port
 
 
 class Channel:
-    """Sends and receives pickled messages between rank 0 and rank 1."""
+    """Sends and receives pickled messages between rank 0 and rank 1: over a TCP connection
+    (device "cpu"), or an NCCL pair (a CUDA device)."""
 
     def __init__(self, host: str, port: int, rank: int, device: str = "cpu", timeout_s: float = 60.0):
-        """Rank 0 serves the rendezvous store (port 0 picks a free one: see `port`); `connect`
-        then blocks until the peer has joined."""
+        """Rank 0 serves the rendezvous store (port 0 picks a free one: see `port`) and, for
+        the TCP connection, listens on host alone for it; `connect` then blocks until the peer
+        has joined."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.host = host
         if rank == 0:
@@ -198,8 +195,11 @@ class Channel:
             self.store = dist.TCPStore(host, port, 2, False, timeout=self.timeout)
         self.rank, self.peer = rank, 1 - rank
         self.device = torch.device(device)
-        self.group = None
-        self.bytes_sent = self.bytes_received = 0  # frames and the rest of longer messages: what crosses the wire
+        self.group = self.sock = self.listener = None
+        if rank == 0 and self.device.type != "cuda":
+            self.listener = listening_socket(host, 0)
+            self.store.set(DATA_PORT, str(self.listener.getsockname()[1]))
+        self.bytes_sent = self.bytes_received = 0  # what crosses the wire: messages with their lengths (or frames)
 
     @property
     def port(self) -> int:
@@ -208,21 +208,32 @@ class Channel:
     def connect(self, alive: Callable[[], bool] | None = None) -> "Channel":
         """alive (rank 0): whether the peer is still there to join, asked while it is awaited,
         so that a local worker that dies before it joins is noticed at once, not at the timeout
-        (building the group cannot be interrupted, so rank 0 waits for the key the peer sets
-        just before it builds its side)."""
+        (rank 0 waits for the key the peer sets once connected, or just before it builds its
+        side of an NCCL pair, which cannot be interrupted)."""
+        timeout_s = self.timeout.total_seconds()
         if self.rank == 1:
+            if self.device.type != "cuda":
+                port = int(self.store.get(DATA_PORT))
+                try:
+                    self.sock = socket.create_connection((self.host, port), timeout=timeout_s)
+                except OSError as e:
+                    raise DraftUnavailable(f"could not reach the engine at {self.host}:{port}: {e}") from e
             self.store.set(JOINED, "1")
         else:
             self._await_peer(alive)
-        if self.device.type == "cuda":
-            self.group = dist.ProcessGroupNCCL(self.store, self.rank, 2)
+            if self.device.type != "cuda":
+                self.listener.settimeout(timeout_s)
+                try:
+                    self.sock, _ = self.listener.accept()
+                except OSError as e:
+                    raise DraftUnavailable(f"the draft worker joined but did not connect: {e}") from e
+                finally:
+                    self.listener.close()
+                    self.listener = None
+        if self.sock is not None:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a message goes at once
         else:
-            # gloo's default address is this host's name resolved, 127.0.x.1 on many machines:
-            # unreachable from another host. Use the address on the route to the rendezvous.
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = self.timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=route_address(self.host, self.port))]
-            self.group = dist.ProcessGroupGloo(self.store, self.rank, 2, options)
+            self.group = dist.ProcessGroupNCCL(self.store, self.rank, 2)
         return self
 
     def _await_peer(self, alive: Callable[[], bool] | None) -> None:
@@ -259,14 +270,19 @@ class Channel:
                 raise DraftRefused(f"the engine refused this worker, or does not know its secret: give both the "
                                    f"same secret ({SECRET_ENV} or --draft-secret)")
 
-    def _send_raw(self, data: bytes, timeout_s: float) -> None:
+    def _send_raw(self, data: bytes, timeout_s: float | None) -> None:
+        if self.sock is not None:
+            self._sock_send(data, timeout_s)
+            return
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         try:
             self._wait(self.group.send([payload.to(self.device)], self.peer, 2), datetime.timedelta(seconds=timeout_s))
         except RuntimeError as e:
             raise DraftUnavailable(str(e)) from e
 
-    def _recv_raw(self, size: int, timeout_s: float) -> bytes:
+    def _recv_raw(self, size: int, timeout_s: float | None) -> bytes:
+        if self.sock is not None:
+            return self._sock_recv(size, None if timeout_s is None else time.monotonic() + timeout_s)
         payload = torch.zeros(size, dtype=torch.uint8, device=self.device)
         try:
             self._wait(self.group.recv([payload], self.peer, 2), datetime.timedelta(seconds=timeout_s))
@@ -275,13 +291,17 @@ class Channel:
         return payload.cpu().numpy().tobytes()
 
     def send(self, message, timeout_s: float | None = None) -> None:
-        """A send completes once the peer receives it: a peer that stopped would block it for
-        the group's whole timeout, hence timeout_s. A message goes as a frame of FRAME_BYTES
-        (its length, then as much of it as fits) and, if longer, its rest: one transfer for
-        most of a round's messages, where each transfer costs a round trip (a length sent
-        ahead of every message took 0.8 ms a round trip on loopback, one frame 0.3 ms)."""
-        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+        """Over TCP a message goes as its length and its bytes, and a send returns once the
+        system has them (timeout_s bounds a peer that stopped reading a long one). Over NCCL a
+        send completes once the peer receives it, hence timeout_s too; a message goes as a frame
+        of FRAME_BYTES (its length, then as much of it as fits) and, if longer, its rest: one
+        transfer for most of a round's messages, where each transfer costs a round trip."""
         data = pickle.dumps(message, protocol=5)
+        if self.sock is not None:
+            self._sock_send(len(data).to_bytes(8, "little") + data, timeout_s)
+            self.bytes_sent += 8 + len(data)
+            return
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         frame = bytearray(FRAME_BYTES)
         frame[:8] = len(data).to_bytes(8, "little")
         frame[8:8 + min(len(data), FRAME_BYTES - 8)] = data[:FRAME_BYTES - 8]
@@ -295,6 +315,12 @@ class Channel:
         self.bytes_sent += sum(len(chunk) for chunk in transfers)
 
     def recv(self, timeout_s: float | None = None):
+        if self.sock is not None:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            size = int.from_bytes(self._sock_recv(8, deadline), "little")
+            data = self._sock_recv(size, deadline)
+            self.bytes_received += 8 + size
+            return pickle.loads(data)
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         frame = torch.empty(FRAME_BYTES, dtype=torch.uint8, device=self.device)
         try:
@@ -311,10 +337,39 @@ class Channel:
         self.bytes_received += received
         return pickle.loads(data)
 
+    def _sock_send(self, data: bytes, timeout_s: float | None) -> None:
+        try:
+            self.sock.settimeout(timeout_s)
+            self.sock.sendall(data)
+        except TimeoutError as e:
+            raise DraftUnavailable(f"the peer took nothing within {timeout_s:.0f} s") from e
+        except OSError as e:
+            raise DraftUnavailable(f"the connection to the peer broke: {e}") from e
+
+    def _sock_recv(self, size: int, deadline: float | None) -> bytes:
+        """size bytes, by the deadline (None: however long it takes)."""
+        data, got = bytearray(size), 0
+        view = memoryview(data)
+        try:
+            while got < size:
+                self.sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
+                n = self.sock.recv_into(view[got:])
+                if n == 0:
+                    raise DraftUnavailable("the peer closed the connection")
+                got += n
+        except TimeoutError as e:
+            raise DraftUnavailable("no answer within the timeout") from e
+        except OSError as e:
+            raise DraftUnavailable(f"the connection to the peer broke: {e}") from e
+        return bytes(data)
+
     def close(self) -> None:
-        """Drops the group and the store, which frees the port for a new rendezvous. After a
-        timeout or a lost peer the group cannot be used again (gloo closes the connection)."""
-        self.group = self.store = None
+        """Drops the connection (or the group) and the store, which frees the port for a new
+        rendezvous. After a timeout or a lost peer the channel cannot be used again."""
+        for sock in (self.sock, self.listener):
+            if sock is not None:
+                sock.close()
+        self.group = self.store = self.sock = self.listener = None
 
     @staticmethod
     def _wait(work, timeout) -> None:

@@ -79,7 +79,7 @@ class DraftClient:
         self.process: subprocess.Popen | None = None
         if address is None:
             command = [sys.executable, "-m", "saguaro.speculation.worker", "--connect",
-                       f"127.0.0.1:{self.channel.port}", "--device", device, "--link", "nccl" if nccl else "gloo"]
+                       f"127.0.0.1:{self.channel.port}", "--device", device, "--link", "nccl" if nccl else "tcp"]
             if config.cpus:
                 command += ["--cpus", config.cpus]
             # The secret goes through the environment: argv is visible to every user (ps).
@@ -91,7 +91,7 @@ class DraftClient:
         self.unseen_tokens = 0  # prompt tokens sent since the last reply: prefill work the worker has
         try:
             # A local worker that dies before it joins is noticed by polling it; one that dies
-            # afterwards, by gloo (its connection closes).
+            # afterwards, by its connection closing.
             self.channel.connect(alive=None if self.process is None else lambda: self.process.poll() is None)
             self.channel.authenticate(secret)
             self.channel.send(Hello(config.draft, embeddings, incarnation), config.startup_timeout_s)

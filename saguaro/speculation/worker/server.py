@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="saguaro draft worker")
     parser.add_argument("--connect", required=True, help="HOST:PORT of the engine")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--link", choices=["nccl", "gloo"], default=None,
-                        help="how messages travel: nccl between two GPUs, gloo through the host (default: nccl "
-                             "where --device is a GPU); a worker on its engine's own GPU takes gloo, as NCCL "
+    parser.add_argument("--link", choices=["nccl", "tcp"], default=None,
+                        help="how messages travel: nccl between two GPUs, tcp through the host (default: nccl "
+                             "where --device is a GPU); a worker on its engine's own GPU takes tcp, as NCCL "
                              "joins no two processes on one device")
     parser.add_argument("--cpus", default=None, help="CPU cores to pin to, e.g. '1' or '2,3'")
     parser.add_argument("--timeout", type=float, default=7 * 24 * 3600.0,
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         cores = {int(c) for c in args.cpus.split(",")}
         use_cores(cores, len(cores))
     host, port = args.connect.rsplit(":", 1)
-    link = args.link or ("nccl" if args.device.startswith("cuda") else "gloo")
+    link = args.link or ("nccl" if args.device.startswith("cuda") else "tcp")
     channel = Channel(host.strip("[]"), int(port), rank=1, device=args.device if link == "nccl" else "cpu",
                       timeout_s=args.timeout).connect()
     try:
