@@ -101,6 +101,16 @@ def test_auto_backup_follows_measured_acceptance_and_cost():
     assert decoder_with(measured(neural=1.0, fast=4.0), backup="neural").choose_backup(1) == "neural"
 
 
+def test_the_speed_model_reads_the_latest_measurements():
+    """What the model reads is the RECENT latest of each measurement: verifications that took
+    a second each long ago do not make today's 10 ms backup look free."""
+    from saguaro.speculation.remote.proposer import RECENT
+
+    stats = measured(neural=1.5, fast=1.5)
+    stats.verify_s = [1.0] * 1000 + [0.030] * RECENT
+    assert decoder_with(stats).speed_model().t_neural == pytest.approx(1 / 3)  # over all of them: 0.01
+
+
 def test_backup_time_is_measured_only_on_rounds_that_ran_a_backup():
     """A miss covered by a prompt lookup ran no backup: its reply time would make the neural
     backup look free, and auto would never switch to the fast one at any batch size."""
