@@ -126,3 +126,24 @@ def test_backup_time_is_measured_only_on_rounds_that_ran_a_backup():
         RemoteProposer._record(decoder, [Outcome(1, 7)], spec, [Outcome(2, 9)], "neural", 0.0, 0.030)
     assert decoder.stats.backup_s["neural"] == [0.012]
     assert len(decoder.stats.lookup_lengths) == 2 and decoder.stats.miss_lengths["neural"] == [3]
+
+
+def test_the_fan_out_follows_the_latest_acceptance_lengths_of_hits_and_misses_alike():
+    """The geometric fan-out is re-fitted to the RECENT latest rounds' acceptance lengths, in the
+    order they came, whether they hit or missed."""
+    from types import SimpleNamespace
+
+    from saguaro.engine.proposal import Outcome
+    from saguaro.speculation.protocol import RequestSpeculation, Speculation
+    from saguaro.speculation.remote.proposer import RECENT, GeometricPlan, RemoteProposer, SSDStats
+
+    decoder = SimpleNamespace(stats=SSDStats())
+    for hit, accepted in [(False, 3)] * RECENT + [(True, 0)] * RECENT:  # long accepts on misses, then short on hits
+        spec = Speculation([RequestSpeculation([0], hit=hit, miss=None if hit else "bonus")], backup_time_s=0.0)
+        RemoteProposer._record(decoder, [Outcome(1, 7)], spec, [Outcome(accepted, 9)], "neural", 0.0, 0.030)
+    assert list(decoder.stats.recent_lengths) == [1] * RECENT  # (the misses' 4s, older, are out)
+    chosen = []
+    planner = SimpleNamespace(stats=decoder.stats, plan=GeometricPlan(budget=16, power_law_r=0.6), k=5,
+                              branch_budget=16, fan_out=[1] * 6, set_fan_out=chosen.append)
+    RemoteProposer._replan(planner)
+    assert chosen and chosen[0][0] == max(chosen[0])  # short accepts: the branches go to length 0

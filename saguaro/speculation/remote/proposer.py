@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +39,8 @@ RECENT = 256
 class SSDStats:
     """Per-round measurements over the decoder's life (all sequences)."""
     hit_lengths: list[int] = field(default_factory=list)  # acceptance length after a hit
+    # acceptance lengths after a hit or a miss, in order: the latest, which the fan-out is fitted to
+    recent_lengths: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))
     miss_lengths: dict[str, list[int]] = field(default_factory=lambda: {"neural": [], "fast": []})
     lookup_lengths: list[int] = field(default_factory=list)  # after a prompt-lookup speculation
     lookup_hits: int = 0  # rounds whose outcome the cache held, but a lookup was sent instead
@@ -178,8 +180,8 @@ class RemoteProposer:
         if self.stats.t_p:
             self.branch_budget = self.plan.next_budget(
                 self.branch_budget, statistics.median(self.stats.t_p[-self.plan.every_rounds:]))
-        lengths = self.stats.hit_lengths + sum(self.stats.miss_lengths.values(), [])
-        fan_out = self.plan.fan_out(lengths[-256:], self.k, self.branch_budget) if lengths else self.fan_out
+        lengths = list(self.stats.recent_lengths)
+        fan_out = self.plan.fan_out(lengths, self.k, self.branch_budget) if lengths else self.fan_out
         if fan_out != self.fan_out:
             self.set_fan_out(fan_out)
 
@@ -240,6 +242,7 @@ class RemoteProposer:
                 stats.lookup_hits += request.hit
             else:
                 (stats.hit_lengths if request.hit else stats.miss_lengths[backup]).append(outcome.accepted_len + 1)
+                stats.recent_lengths.append(outcome.accepted_len + 1)
                 if not request.hit:
                     stats.miss_causes[request.miss] += 1
 
