@@ -45,3 +45,17 @@ def test_ssd_takes_the_shipped_ssd_draft_unless_a_draft_is_named(tmp_path, monke
     assert ssd_draft_path(SpeculativeConfig(ssd_draft="deep"), "toy", sd) == Path("deep")
     (tmp_path / "toy-ssd" / "model.safetensors").unlink()
     assert ssd_draft_path(SpeculativeConfig(), "toy", sd) == sd  # none shipped: SD's
+
+
+def test_an_eagle_draft_for_ssd_is_told_apart_from_a_standalone_one(tmp_path):
+    """auto refuses an EAGLE draft as SSD's (its prefix cache serves SD's rounds too): what tells
+    it apart is the checkpoint's config."""
+    from saguaro.speculation.build import reads_target_features
+
+    config = ModelConfig.load(hub.default_draft("smollm2") / "config.json")
+    for eagle in (False, True):
+        folder = tmp_path / str(eagle)
+        folder.mkdir()
+        dataclasses.replace(config, eagle=eagle).save(folder / "config.json")
+        assert reads_target_features(folder) is eagle
+    assert not reads_target_features(tmp_path / "model.gguf")  # a file: no config of its own

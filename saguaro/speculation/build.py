@@ -17,6 +17,7 @@ from saguaro.config import SpeculativeConfig, TreeShape
 from saguaro.engine.round import Choice, Decoder, FixedPolicy
 from saguaro.engine.verifier import Verifier
 from saguaro.models import graphs, hub
+from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel
 from saguaro.models.loader import IncompatibleDraftError, check_pair, load_draft
 from saguaro.models.prefix_cache import PrefixCache, new_prefix_cache
@@ -51,7 +52,7 @@ def ssd_draft_path(spec: SpeculativeConfig, model: str, draft: Path) -> Path:
 def reads_target_features(path: Path) -> bool:
     """Whether a draft checkpoint is EAGLE-style, reading the target's hidden states."""
     config = path / "config.json"
-    return config.is_file() and bool(json.loads(config.read_text()).get("eagle"))
+    return config.is_file() and ModelConfig.load(config).eagle
 
 
 def sd_drafter(draft: LlamaModel, spec: SpeculativeConfig, prefix_cache_mb: float = 0.0) -> Drafter:
@@ -176,8 +177,8 @@ def auto_profile_path(target: LlamaModel, spec: SpeculativeConfig, model: str, d
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
     except OSError:
         cpu = platform.processor()
-    key = json.dumps([str(model), str(draft), str(ssd_draft), spec.num_speculative_tokens, spec.prompt_lookup, target.quantization,
-                      str(target.dtype), str(target.device), torch.get_num_threads(), cpu])
+    key = json.dumps([str(model), str(draft), str(ssd_draft), spec.num_speculative_tokens, spec.prompt_lookup,
+                      target.quantization, str(target.dtype), str(target.device), torch.get_num_threads(), cpu])
     return hub.cache_dir() / "auto" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
