@@ -268,20 +268,20 @@ def test_a_q4_k_m_file_runs_entirely_on_saguaros_kernels(source, tmp_path):
 
 
 @pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
-@pytest.mark.parametrize("kind", ["Q4_K_M", "Q4_0"])
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q4_0", "Q3_K", "Q2_K"])
 def test_greedy_sd_and_ssd_equal_ar_on_a_quantized_file(kind, source, tmp_path):
     """Batch invariance on the kernels' kinds (Q4_K_M: Q4_K's and Q6_K's block records; Q4_0:
-    its own tiles): K + 1 = 4 tokens verified in one pass give AR's."""
+    its own tiles; Q3_K, Q2_K: their records): K + 1 = 4 tokens verified in one pass give AR's."""
     from drafts import InProcessDraft, sd_decoder, ssd_decoder, worker_config
     from saguaro import SamplingParams
     from saguaro.engine.sequence import Sequence
     from saguaro.speculation.build import ar_decoder
 
     target_file = q4_k_m_files(source, tmp_path)[0] if kind == "Q4_K_M" else \
-        write_gguf(tmp_path / "q4_0.gguf", source, "llama", "tiny", tensors=projection_blocks(source, Q.Q4_0))
+        write_gguf(tmp_path / f"{kind}.gguf", source, "llama", "tiny", tensors=projection_blocks(source, Q[kind]))
     target = loader.load_model(target_file, torch.bfloat16)
     assert {m.bits for name, m in target.named_modules() if name.endswith("_proj")} <= \
-        ({0, native.K4, native.K6} if kind == "Q4_K_M" else {0, native.SYM4})
+        ({0, native.K4, native.K6} if kind == "Q4_K_M" else {0, native.type_bits(Q[kind])})
     draft_file = q4_k_m_files(source, tmp_path, seed=1)[0]
     draft = loader.load_model(draft_file, torch.bfloat16)
 
