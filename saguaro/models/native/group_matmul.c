@@ -124,6 +124,7 @@ typedef struct {
     float d_qsum; /* d * sum(q), what the group's low multiplies */
     int32_t qsum;
     int32_t half_qsum[2]; /* sum(q) over inputs 0-15 and 16-31 */
+    float d_half_qsum[2]; /* d * each half's sum(q), what K2's per-half mins multiply */
 } QuantizedGroup;
 
 #ifdef SAGUARO_AVX2
@@ -193,6 +194,8 @@ TARGET static void quantize_row(const uint16_t *x, int64_t groups, QuantizedGrou
         out[g].qsum = out[g].half_qsum[0] + out[g].half_qsum[1];
         out[g].d = d;
         out[g].d_qsum = d * (float)out[g].qsum;
+        out[g].d_half_qsum[0] = d * (float)out[g].half_qsum[0];
+        out[g].d_half_qsum[1] = d * (float)out[g].half_qsum[1];
     }
 }
 
@@ -308,8 +311,8 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                 __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(first, scale0), _mm512_mullo_epi32(second, scale1));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x->d)), acc[r]);
                 if (bits == K2) {
-                    acc[r] = _mm512_fmadd_ps(low0, _mm512_set1_ps(x->d * (float)x->half_qsum[0]), acc[r]);
-                    acc[r] = _mm512_fmadd_ps(low1, _mm512_set1_ps(x->d * (float)x->half_qsum[1]), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(low0, _mm512_set1_ps(x->d_half_qsum[0]), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(low1, _mm512_set1_ps(x->d_half_qsum[1]), acc[r]);
                 }
             }
             continue;

@@ -74,6 +74,8 @@ TARGET static void quantize_row(const uint16_t *x, int64_t groups, QuantizedGrou
         out[g].qsum = out[g].half_qsum[0] + out[g].half_qsum[1];
         out[g].d = d;
         out[g].d_qsum = d * (float)out[g].qsum;
+        out[g].d_half_qsum[0] = d * (float)out[g].half_qsum[0];
+        out[g].d_half_qsum[1] = d * (float)out[g].half_qsum[1];
     }
 }
 
@@ -224,8 +226,8 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                     const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(first, scale0), _mm256_mullo_epi32(second, scale1));
                     acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[r][h]);
                     if (bits == K2) {
-                        acc[r][h] = _mm256_fmadd_ps(low0, _mm256_set1_ps(x->d * (float)x->half_qsum[0]), acc[r][h]);
-                        acc[r][h] = _mm256_fmadd_ps(low1, _mm256_set1_ps(x->d * (float)x->half_qsum[1]), acc[r][h]);
+                        acc[r][h] = _mm256_fmadd_ps(low0, _mm256_set1_ps(x->d_half_qsum[0]), acc[r][h]);
+                        acc[r][h] = _mm256_fmadd_ps(low1, _mm256_set1_ps(x->d_half_qsum[1]), acc[r][h]);
                     }
                 }
                 continue;
