@@ -3,8 +3,8 @@ core against SSD with its target on one core and its worker on the other, both a
 defaults, taking turns prompt by prompt on held-out chat and HumanEval prompts; decode tok/s
 medians and the median of the paired ratios.
 
-    python benchmarks/ssd_vs_sd.py [--temperature 0] [--prompts 8] [--max-tokens 128] [--ssd-draft PATH] [--fan-out-budget N] \
-        [--sd-k K] [--ssd-k K]
+    python benchmarks/ssd_vs_sd.py [--temperature 0] [--prompts 8] [--max-tokens 128] \
+        [--ssd-draft PATH] [--fan-out-budget N] [--sd-k K] [--ssd-k K]
 
 --ssd-draft gives SSD's worker a draft of its own (SD keeps the shipped one); a deeper draft
 fills fewer branches within a verification, which --fan-out-budget sets.
@@ -18,8 +18,8 @@ from saguaro import LLM, SamplingParams
 from saguaro.bench.runner import BenchConfig, bench_prompts
 
 SSD_FIGURES = ("cache_hit_rate", "acceptance_length_hit", "acceptance_length_miss_neural", "misses_bonus",
-               "misses_length", "misses_unfilled", "t_p_median", "verify_s_median", "fill_s_median", "target_wait_s_median",
-               "exchange_s_median")
+               "misses_length", "misses_unfilled", "t_p_median", "verify_s_median", "fill_s_median",
+               "target_wait_s_median", "exchange_s_median")
 
 
 def main() -> None:
@@ -33,8 +33,9 @@ def main() -> None:
     parser.add_argument("--fan-out-budget", type=int, default=16, help="SSD's cached branches per request")
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-    engines = {"sd": LLM(method="sd", num_threads=1, num_speculative_tokens=args.sd_k), "ssd": LLM(method="ssd", ssd_draft=args.ssd_draft, num_speculative_tokens=args.ssd_k,
-                                                                     fan_out_budget=args.fan_out_budget)}
+    engines = {"sd": LLM(method="sd", num_threads=1, num_speculative_tokens=args.sd_k),
+               "ssd": LLM(method="ssd", ssd_draft=args.ssd_draft, num_speculative_tokens=args.ssd_k,
+                          fan_out_budget=args.fan_out_budget)}
     try:
         for dataset in ("sharegpt", "humaneval"):
             prompts = bench_prompts(engines["sd"], dataset, BenchConfig(num_prompts=args.prompts, seed=7))
