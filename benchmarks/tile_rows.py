@@ -25,13 +25,13 @@ import torch
 
 from saguaro.models import native
 
-WIDTHS = {"4": 4, "5": 5, "6": 6, "8": 8, "iq4": native.NL4, "q4_0": native.SYM4, "q4_k": native.K4,
+WIDTHS = {"4": 4, "5": 5, "6": 6, "8": 8, "iq4": native.NL4, "q4_0": native.SYM4, "q4_k": native.K4, "q5_k": native.K5,
           "q6_k": native.K6, "q3_k": native.K3, "q2_k": native.K2, "bf16": 16}
 # where each kind keeps its fp16 parameters (set to 1.0) and its integer sub-scales (set to 1), in a
 # tile or, for the K-quants, in a record of 8 groups
 PARAMS = {4: (256, 320), 5: (320, 384), 6: (416, 448), 8: (512, 544), native.NL4: (256, 288), native.SYM4: (256, 288),
-          native.K4: (0, 64), native.K6: (0, 32), native.K3: (0, 32), native.K2: (0, 64), 16: (0, 1024)}
-SUB_SCALES = {6: (384, 416), native.K4: (64, 320), native.K6: (32, 288), native.K3: (32, 288), native.K2: (64, 320)}
+          native.K4: (0, 64), native.K5: (0, 64), native.K6: (0, 32), native.K3: (0, 32), native.K2: (0, 64), 16: (0, 1024)}
+SUB_SCALES = {6: (384, 416), native.K4: (64, 320), native.K5: (64, 320), native.K6: (32, 288), native.K3: (32, 288), native.K2: (64, 320)}
 
 
 def load(folder: Path) -> ctypes.CDLL:
@@ -43,7 +43,7 @@ def load(folder: Path) -> ctypes.CDLL:
 
 
 def random_tiles(bits: int, out_features: int, in_features: int) -> torch.Tensor:
-    groups = 8 if bits in (native.K2, native.K3, native.K4, native.K6) else 1  # a record's
+    groups = 8 if bits in (native.K2, native.K3, native.K4, native.K5, native.K6) else 1  # a record's
     tile_bytes = native.library().saguaro_tile_bytes(bits) * groups
     tiles = torch.randint(0, 256, (out_features // 16, in_features // 32 // groups, tile_bytes), dtype=torch.uint8)
     if bits in SUB_SCALES:

@@ -91,19 +91,19 @@ def test_group_products_compute_the_documented_arithmetic(bits, shape):
 
 
 def record_tiles(kind: gguf.GGMLQuantizationType, out_features: int, in_features: int) -> torch.Tensor:
-    """A K-quant's records (K2, K3, K4, K6) repacked from random blocks of the type."""
+    """A K-quant's records (K2 to K6) repacked from random blocks of the type."""
     from test_quantized import random_blocks
 
     blocks = random_blocks(kind, out_features, in_features, np.random.default_rng(0)).reshape(out_features, -1)
     return native.repack(kind, blocks, (out_features, in_features))
 
 
-@pytest.mark.parametrize("bits", [4, native.SYM4, 5, 6, 8, 16, native.K2, native.K3, native.K4, native.K6])
+@pytest.mark.parametrize("bits", [4, native.SYM4, 5, 6, 8, 16, native.K2, native.K3, native.K4, native.K5, native.K6])
 def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(bits):
     if bits == 16 and not native.bf16_available():
         pytest.skip("no bf16 kernel on this CPU")
     records = {native.K2: gguf.GGMLQuantizationType.Q2_K, native.K3: gguf.GGMLQuantizationType.Q3_K, native.K4: gguf.GGMLQuantizationType.Q4_K,
-               native.K6: gguf.GGMLQuantizationType.Q6_K}
+               native.K5: gguf.GGMLQuantizationType.Q5_K, native.K6: gguf.GGMLQuantizationType.Q6_K}
     tiles = native_tiles(random_q6(960, 768))[1] if bits == 6 else native.pack16(torch.randn(960, 768)) if bits == 16 \
         else record_tiles(records[bits], 960, 768) if bits in records else pack(bits, *random_weights(960, 768, bits))
     x = torch.randn(300, 768).bfloat16()
@@ -192,7 +192,7 @@ def test_the_avx2_build_computes_what_the_avx512_build_computes(tmp_path):
              5: pack(5, *random_weights(960, 768, 5)), 6: native_tiles(random_q6(960, 768))[1],
              8: pack(8, *random_weights(960, 768, 8))}
     for kind in (gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K, gguf.GGMLQuantizationType.Q4_K,
-                 gguf.GGMLQuantizationType.Q6_K):  # records of whole blocks
+                 gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K):  # records of whole blocks
         tiles[native.type_bits(kind)] = record_tiles(kind, 960, 768)
     x = torch.randn(5, 768).bfloat16()
     torch.save((tiles, x), tmp_path / "in.pt")

@@ -107,11 +107,11 @@ KQUANT_SIZE = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hi
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-NATIVE_BITS = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: native.K6,  # types only saguaro's kernels run undequantized
+NATIVE_BITS = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: native.K5, Q.Q6_K: native.K6,  # types only saguaro's kernels run undequantized
                Q.Q2_K: native.K2, Q.Q3_K: native.K3, Q.IQ4_NL: native.NL4, Q.IQ4_XS: native.NL4}
 K_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)  # gguf-py cannot quantize to these
 DECODED_TYPES = INT4_TYPES + (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)  # gguf_groups decodes these to codes (numpy)
-RECORD_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K)  # in records of a 256-input block, which no Python packer writes
+RECORD_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # in records of a 256-input block, which no Python packer writes
 TOKENS = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
 
 
@@ -268,10 +268,10 @@ def test_a_q4_k_m_file_runs_entirely_on_saguaros_kernels(source, tmp_path):
 
 
 @pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
-@pytest.mark.parametrize("kind", ["Q4_K_M", "Q4_0", "Q3_K", "Q2_K"])
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q4_0", "Q5_K", "Q3_K", "Q2_K"])
 def test_greedy_sd_and_ssd_equal_ar_on_a_quantized_file(kind, source, tmp_path):
     """Batch invariance on the kernels' kinds (Q4_K_M: Q4_K's and Q6_K's block records; Q4_0:
-    its own tiles; Q3_K, Q2_K: their records): K + 1 = 4 tokens verified in one pass give AR's."""
+    its own tiles; Q5_K, Q3_K, Q2_K: their records): K + 1 = 4 tokens verified in one pass give AR's."""
     from drafts import InProcessDraft, sd_decoder, ssd_decoder, worker_config
     from saguaro import SamplingParams
     from saguaro.engine.sequence import Sequence
@@ -323,7 +323,7 @@ def test_tiles_repacked_from_the_file_are_those_of_the_decoded_codes(kind, sourc
 @pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
 @pytest.mark.parametrize("kind", RECORD_TYPES, ids=lambda kind: kind.name)
 def test_k_quant_records_multiply_as_the_documented_arithmetic_of_their_codes(kind, source, tmp_path):
-    """Q3_K, Q4_K and Q6_K in records of a whole block (their scales held once, as the file holds
+    """Q2_K to Q6_K in records of a whole block (their scales held once, as the file holds
     them): the products are group_matmul.c's arithmetic on the codes gguf_groups (Q3_K:
     q3_k_groups) decodes (checked against gguf-py), in the file's row order and another; the
     dequantized rows are gguf-py's."""

@@ -229,13 +229,13 @@ def pack6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.T
 # of group_matmul.c's
 NL4 = 104  # 4-bit codes into IQ4's table of non-linear values
 SYM4 = 100  # Q4_0's 4-bit codes offset by 8: the 4-bit record without its lows
-# Q2_K's, Q3_K's, Q4_K's and Q6_K's records of a 256-input block, its scales held once as the file holds them
-K2, K3, K4, K6 = 122, 123, 124, 126
+# Q2_K's, Q3_K's, Q4_K's, Q5_K's and Q6_K's records of a 256-input block, its scales held once as the file holds them
+K2, K3, K4, K5, K6 = 122, 123, 124, 125, 126
 FOUR_BIT_KINDS = (4, SYM4, K4)  # the kinds torch's int4 kernel also runs, where saguaro's do not
-TYPE_BITS = {2: SYM4, 3: 4, 12: K4, 6: 5, 7: 5, 13: 5, 14: K6, 8: 8,  # Q4_0 Q4_1 Q4_K, Q5_0 Q5_1 Q5_K, Q6_K, Q8_0
+TYPE_BITS = {2: SYM4, 3: 4, 12: K4, 6: 5, 7: 5, 13: K5, 14: K6, 8: 8,  # Q4_0 Q4_1 Q4_K, Q5_0 Q5_1 Q5_K, Q6_K, Q8_0
              10: K2, 11: K3, 20: NL4, 23: NL4}  # Q2_K, Q3_K, IQ4_NL, IQ4_XS
-# bytes per 16 outputs x 32 inputs (K2, K3, K4, K6: their record's over its 8 groups)
-TILE_BYTES = {4: 320, 5: 384, 6: 448, 8: 544, 16: 1024, NL4: 288, SYM4: 288, K2: 168, K3: 228, K4: 296, K6: 420}
+# bytes per 16 outputs x 32 inputs (K2 to K6: their record's over its 8 groups)
+TILE_BYTES = {4: 320, 5: 384, 6: 448, 8: 544, 16: 1024, NL4: 288, SYM4: 288, K2: 168, K3: 228, K4: 296, K5: 360, K6: 420}
 
 
 def type_bits(type_id: int) -> int:

@@ -28,7 +28,9 @@
  *    them (parameters first, so that a record is read front to back). K4, 2368 bytes: 16 fp16 d,
  *    16 fp16 dmin, 8 x 16 six-bit sub-scales (a byte each, group by group, outputs 0-15), 8 x 16
  *    sub-mins, 8 x 256 code bytes (from K4_CODES), for w = code * (d * scale) - dmin * min, both
- *    products exact in fp32; K6, 3360 bytes: 16 fp16 d, 8 x 32 int8 sub-scales (as the 6-bit
+ *    products exact in fp32; K5 (Q5_K), 2880 bytes: K4's parameters, then 8 x 320 code bytes (from
+ *    K5_CODES) as the 5-bit record holds them (their low four bits, then the top bits): 5.625 bits
+ *    a weight (the file's 5.5, the 5-bit record's 6); K6, 3360 bytes: 16 fp16 d, 8 x 32 int8 sub-scales (as the 6-bit
  *    record's), 8 x 384 code bytes (from K6_CODES). The files' own densities (4.625 and 6.56
  *    bits a weight) where per-group records took 5 and 7.
  *  - K3 records (Q3_K), 1824 bytes: 16 fp16 d, 8 x 32 int8 sub-scales (as K6's), then 8 groups of
@@ -68,11 +70,13 @@
 #define NL4 104 /* the IQ4 tile kind (not a width: its codes are 4 bits) */
 #define SYM4 100 /* the Q4_0 tile kind: 4-bit codes offset by 8, no lows */
 #define K4 124 /* the Q4_K record kind */
+#define K5 125 /* the Q5_K record kind */
 #define K6 126 /* the Q6_K record kind */
 #define K3 123 /* the Q3_K record kind */
 #define K2 122 /* the Q2_K record kind */
-#define BLOCK_GROUPS 8 /* groups in a K2 / K3 / K4 / K6 record: a K-quant's 256-input block */
+#define BLOCK_GROUPS 8 /* groups in a K2 / K3 / K4 / K5 / K6 record: a K-quant's 256-input block */
 #define K4_CODES 320 /* where a K4 record's codes begin, after its block parameters */
+#define K5_CODES 320 /* and a K5 record's */
 #define K6_CODES 288 /* and a K6 record's */
 #define K3_CODES 288 /* and a K3 record's */
 #define K2_CODES 320 /* and a K2 record's */
@@ -97,23 +101,31 @@ int saguaro_cpu_supported(void) {
 }
 #endif
 
-/* Bytes a kind takes per group of 32 inputs and 16 outputs (K2, K3, K4, K6: their record's over 8). */
+/* Bytes a kind takes per group of 32 inputs and 16 outputs (K2 to K6: their record's over 8). */
 int64_t saguaro_tile_bytes(int bits) {
     return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : bits == 8 ? 544 : bits == NL4 || bits == SYM4 ? 288
-         : bits == K4 ? 296 : bits == K6 ? 420 : bits == K3 ? 228 : bits == K2 ? 168 : 1024;
+         : bits == K4 ? 296 : bits == K5 ? 360 : bits == K6 ? 420 : bits == K3 ? 228 : bits == K2 ? 168 : 1024;
 }
 
-/* The codes' layout a kind's groups share: K4's is the 4-bit record's, K6's the 6-bit one's. */
+/* The codes' layout a kind's groups share: K4's is the 4-bit record's, K5's the 5-bit one's, K6's
+ * the 6-bit one's. */
 static inline int code_width(int bits) {
-    return bits == K4 ? 4 : bits == K6 ? 6 : bits == K3 ? 3 : bits == K2 ? 2 : bits;
+    return bits == K4 ? 4 : bits == K5 ? 5 : bits == K6 ? 6 : bits == K3 ? 3 : bits == K2 ? 2 : bits;
 }
 
 /* Where group g's codes begin in a K-quant's records (kinds with records of BLOCK_GROUPS). */
 static inline const uint8_t *record_codes(int bits, const uint8_t *record, int64_t g) {
     return bits == K4 ? record + K4_CODES + (g % BLOCK_GROUPS) * 256
+         : bits == K5 ? record + K5_CODES + (g % BLOCK_GROUPS) * 320
          : bits == K6 ? record + K6_CODES + (g % BLOCK_GROUPS) * 384
          : bits == K3 ? record + K3_CODES + (g % BLOCK_GROUPS) * 192 : record + K2_CODES + (g % BLOCK_GROUPS) * 128;
 }
+
+/* The K-quant kinds, whose records hold a block of BLOCK_GROUPS groups. */
+static inline int is_record(int bits) { return bits == K2 || bits == K3 || bits == K4 || bits == K5 || bits == K6; }
+
+/* Records with a block dmin and per-group mins (w = d * sub * code - dmin * min). */
+static inline int has_mins(int bits) { return bits == K2 || bits == K4 || bits == K5; }
 
 /* Codes offset so as to be unsigned (6-bit: by 32; K3: by 4; K2's are), taken off each half group's sum. */
 static inline int code_offset(int width) { return width == 6 ? 32 : width == 3 ? 4 : 0; }
@@ -220,7 +232,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t groups, float *sums_out) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
-    const int width = code_width(bits), blocked = bits == K2 || bits == K3 || bits == K4 || bits == K6;
+    const int width = code_width(bits), blocked = is_record(bits);
     /* Tiles are fetched PREFETCH_TILES ahead, but for one row of the 4- and 8-bit kinds (not
      * K4), which the hardware's prefetcher streams faster alone (tile_rows.py, one core, from
      * memory: 1.1-1.2x at one row; left alone at six rows, 0.7x). */
@@ -232,7 +244,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         const uint8_t *tile = blocked ? record_codes(bits, record, g) : tiles + g * tile_bytes;
         if (blocked && g % BLOCK_GROUPS == 0) { /* the block's d (and -dmin), converted once */
             block_d = halves(record);
-            if (bits == K4 || bits == K2) block_neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(record + 32));
+            if (has_mins(bits)) block_neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(record + 32));
         }
         if (prefetched)
             for (int64_t line = 0; line < tile_bytes; line += 64)
@@ -325,7 +337,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         }
         const uint8_t *params = tile + (bits == 4 || bits == NL4 || bits == SYM4 ? 256 : bits == 5 ? 320 : 512);
         __m512 scale, low = _mm512_setzero_ps();
-        if (bits == K4) { /* d * sub-scale and -dmin * sub-min: 6-bit integers times fp16, exact in fp32 */
+        if (bits == K4 || bits == K5) { /* d * sub-scale and -dmin * sub-min: 6-bit integers times fp16, exact in fp32 */
             const uint8_t *at = record + 64 + 16 * (g % BLOCK_GROUPS);
             const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at)));
             const __m512 min = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + 128))));
@@ -341,7 +353,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             if (bits == 8 || bits == NL4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->qsum));  /* the codes' +128 */
             if (bits == SYM4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * x->qsum));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(x->d)), acc[r]);
-            if (bits == 4 || bits == 5 || bits == K4) acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(x->d_qsum), acc[r]);
+            if (bits == 4 || bits == 5 || bits == K4 || bits == K5) acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(x->d_qsum), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(sums_out + r * TILE_OUT, acc[r]);
@@ -408,7 +420,7 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
             if (b == 16) tile_column_bf16(R, tiles_of_column, x + r0 * in_features, in_features, result);
             else if (b == NL4) { ROWS_OF(NL4) } else if (b == SYM4) { ROWS_OF(SYM4) }
             else if (b == K4) { ROWS_OF(K4) } else if (b == K6) { ROWS_OF(K6) } else if (b == K3) { ROWS_OF(K3) }
-            else if (b == K2) { ROWS_OF(K2) }
+            else if (b == K2) { ROWS_OF(K2) } else if (b == K5) { ROWS_OF(K5) }
             else if (b == 4) { ROWS_OF(4) } else if (b == 5) { ROWS_OF(5) } else if (b == 6) { ROWS_OF(6) } else { ROWS_OF(8) }
 #undef ROWS_OF
 #undef CASE

@@ -150,7 +150,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t groups, float *sums_out) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
-    const int width = code_width(bits), blocked = bits == K2 || bits == K3 || bits == K4 || bits == K6;
+    const int width = code_width(bits), blocked = is_record(bits);
     const int halves_apart = width == 6 || width == 3 || width == 2;
     __m256 acc[MAX_ROWS][2], block_d[2], block_neg_dmin[2]; /* K-quants: per half */
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -161,7 +161,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         if (blocked && g % BLOCK_GROUPS == 0) /* the block's d (and -dmin), converted once */
             for (int h = 0; h < 2; h++) {
                 block_d[h] = halves(record + 16 * h);
-                if (bits == K4 || bits == K2) block_neg_dmin[h] = _mm256_sub_ps(_mm256_setzero_ps(), halves(record + 32 + 16 * h));
+                if (has_mins(bits)) block_neg_dmin[h] = _mm256_sub_ps(_mm256_setzero_ps(), halves(record + 32 + 16 * h));
             }
         for (int64_t line = 0; line < tile_bytes; line += 64)
             _mm_prefetch((const char *)tiles + (g + PREFETCH_TILES) * tile_bytes + line, _MM_HINT_T0);
@@ -234,7 +234,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             }
             const uint8_t *params = tile + (bits == 4 || bits == NL4 || bits == SYM4 ? 256 : bits == 5 ? 320 : 512) + 16 * h;
             __m256 scale, low = _mm256_setzero_ps();
-            if (bits == K4) { /* as the AVX512 kernel: exact fp32 products */
+            if (bits == K4 || bits == K5) { /* as the AVX512 kernel: exact fp32 products */
                 const uint8_t *at = record + 64 + 16 * (g % BLOCK_GROUPS) + 8 * h;
                 const __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at)));
                 const __m256 min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(at + 128))));
@@ -249,7 +249,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                 const __m256i dot = bits == SYM4 ? _mm256_sub_epi32(dots[r][h][0], _mm256_set1_epi32(8 * x->qsum))
                                                  : dots[r][h][0];
                 acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(x->d)), acc[r][h]);
-                if (bits == 4 || bits == 5 || bits == K4)
+                if (bits == 4 || bits == 5 || bits == K4 || bits == K5)
                     acc[r][h] = _mm256_fmadd_ps(low, _mm256_set1_ps(x->d_qsum), acc[r][h]);
             }
         }

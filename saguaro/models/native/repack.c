@@ -20,10 +20,12 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
 #define NL4 104 /* group_matmul.c's IQ4 tile kind */
 #define SYM4 100 /* group_matmul.c's Q4_0 tile kind */
 #define K4 124 /* group_matmul.c's Q4_K record kind */
+#define K5 125 /* group_matmul.c's Q5_K record kind */
 #define K6 126 /* group_matmul.c's Q6_K record kind */
 #define K3 123 /* group_matmul.c's Q3_K record kind */
 #define K2 122 /* group_matmul.c's Q2_K record kind */
 #define K4_CODES 320 /* where a K4 record's codes begin, after its block parameters */
+#define K5_CODES 320 /* and a K5 record's */
 #define K6_CODES 288 /* and a K6 record's */
 #define K3_CODES 288 /* and a K3 record's */
 #define K2_CODES 320 /* and a K2 record's */
@@ -53,7 +55,8 @@ int saguaro_type_bits(int type) {
         case Q4_0: return SYM4;
         case Q4_1: return 4;
         case Q4_K: return K4;
-        case Q5_0: case Q5_1: case Q5_K: return 5;
+        case Q5_0: case Q5_1: return 5;
+        case Q5_K: return K5;
         case Q2_K: return K2;
         case Q3_K: return K3;
         case Q6_K: return K6;
@@ -218,6 +221,30 @@ TARGET static void q4_k_block_record(const uint8_t *b, uint8_t *record, int j) {
     memcpy(record + 32 + 2 * j, b + 2, 2);
 }
 
+/* Q5_K: row j of a 256-weight block's K5 record: K4's parameters, then each group's low four bits
+ * as Q4_K's and its 64 bytes of top bits as the 5-bit tile holds them (byte 4j + t, bit 2u + s:
+ * input 16s + 4u + t), the top bit of sub-block sb's input l being bit sb of qh[l]. */
+TARGET static void q5_k_block_record(const uint8_t *b, uint8_t *record, int j) {
+    const uint8_t *qh = b + 16;
+    for (int sb = 0; sb < 8; sb++) {
+        int sc, min;
+        k_scale_min(sb, b + 4, &sc, &min);
+        uint8_t *tile = record + K5_CODES + 320 * sb;
+        put_nibble_pairs(b + 48 + 32 * (sb / 2), sb % 2, tile, j);
+        for (int t = 0; t < 4; t++) {
+            uint8_t top = 0;
+            for (int u = 0; u < 4; u++)
+                for (int half = 0; half < 2; half++)
+                    top |= (uint8_t)(((qh[16 * half + 4 * u + t] >> sb) & 1) << (2 * u + half));
+            tile[256 + 4 * j + t] = top;
+        }
+        record[64 + 16 * sb + j] = (uint8_t)sc;
+        record[192 + 16 * sb + j] = (uint8_t)min;
+    }
+    memcpy(record + 2 * j, b, 2);
+    memcpy(record + 32 + 2 * j, b + 2, 2);
+}
+
 /* Q6_K: row j of a 256-weight block's K6 record: d, the sub-scales, then each group's codes as
  * a 6-bit tile holds them (the low nibbles paired as Q4_K's are, the top two bits four to a
  * byte). */
@@ -346,7 +373,7 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
     const int bits = saguaro_type_bits(type);
     if (!bits || rows % TILE_OUT || cols % block_weights(type)) return -2;
     const int64_t groups = cols / GROUP, tile_bytes = saguaro_tile_bytes(bits);
-    if (type == Q2_K || type == Q3_K || type == Q4_K || type == Q6_K) {
+    if (type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t column = 0; column < rows / TILE_OUT; column++)
             for (int64_t block = 0; block < cols / 256; block++)
@@ -355,6 +382,7 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
                     const uint8_t *b = data + (order ? order[r] : r) * row_bytes + block * block_bytes(type);
                     uint8_t *record = tiles + (column * groups + block * 8) * tile_bytes;
                     if (type == Q4_K) q4_k_block_record(b, record, j);
+                    else if (type == Q5_K) q5_k_block_record(b, record, j);
                     else if (type == Q6_K) q6_k_block_record(b, record, j);
                     else if (type == Q3_K) q3_k_block_record(b, record, j);
                     else q2_k_block_record(b, record, j);
