@@ -3,15 +3,16 @@ verification of K + 1 tokens costs against a one-token step (a pass over R rows 
 GB/s as one row costs the same). Optionally against the kernels of another source folder (an
 older checkout's saguaro/models/native), the two builds taking turns in one process.
 
-The product is 8192 x 3072 (SmolLM3-3B's and Phi-4-mini's MLP widths), its tiles copied until
+The product is 8192 x 3072 by default (SmolLM3-3B's and Phi-4-mini's MLP widths), its tiles copied until
 they fill --megabytes and cycled, so that they come from memory as in a decode step. Codes
 are random; scales are 1.0 (fp16) and sub-scales 1, bf16 weights 1.0, so no denormals or NaNs
 slow the arithmetic. Kinds: the widths 4, 5, 6 and 8, iq4, and the GGUF types with kinds of
-their own (q4_0, q2_k, q3_k, q4_k, q6_k), bf16.
+their own (q4_0, q2_k, q3_k, q4_k, q5_k, q6_k), bf16.
 
     python benchmarks/tile_rows.py --bits 4,8 --rows 1,2,4,6,8 --threads 1
     python benchmarks/tile_rows.py --bits q4_0,q4_k,q6_k,8,bf16 --rows 1
     python benchmarks/tile_rows.py --against ../old/saguaro/models/native
+    python benchmarks/tile_rows.py --bits bf16 --shape 1024x2048 --megabytes 0   # in cache
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def main() -> None:
     parser.add_argument("--bits", default="4,8", help=f"tile kinds, of {','.join(WIDTHS)}")
     parser.add_argument("--rows", default="1,2,4,6,8")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--megabytes", type=int, default=600)
+    parser.add_argument("--megabytes", type=int, default=600, help="tiles cycled (0: one copy, from cache if it fits)")
+    parser.add_argument("--shape", default="8192x3072", help="OUTxIN of the product")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--against", type=Path, help="another folder of the kernels' sources to compare")
     args = parser.parse_args()
@@ -69,7 +71,7 @@ def main() -> None:
     libraries = {"this": load(Path(native.__file__).parent)}
     if args.against:
         libraries["against"] = load(args.against.resolve())
-    out_features, in_features = 8192, 3072
+    out_features, in_features = map(int, args.shape.split("x"))
     print(f"build {native.build()}, {args.threads} thread(s); GB/s of tiles read, medians of {args.repeats}")
     print("| tiles | rows | " + " | ".join(libraries) + " |")
     print("|---|---|" + "---|" * len(libraries))
