@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -53,6 +54,7 @@ class Level:
     per_token_p95_ms: float
     acceptance_length: float | None
     cache_hit_rate: float | None
+    auto_rounds: dict[str, int]  # method=auto: the level's rounds by choice ("0": AR, "1".."K": SD, "ssd")
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Result:
@@ -106,12 +108,18 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
         return results, errors, time.perf_counter() - start
 
 
+AUTO_ROUNDS = re.compile(r'saguaro_auto_rounds_total\{k="(\w+)"\} (\S+)')
+
+
 def scrape(url: str) -> dict[str, float]:
+    """The server's unlabelled counters, and auto's rounds by choice as auto_rounds:K."""
     values = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("saguaro_") and "{" not in line:
             name, value = line.split()
             values[name.removeprefix("saguaro_")] = float(value)
+        elif match := AUTO_ROUNDS.match(line):
+            values[f"auto_rounds:{match.group(1)}"] = float(match.group(2))
     return values
 
 
@@ -132,7 +140,8 @@ def measure(url: str, method: str, model: str, prompts: list[str], concurrency: 
     return Level(method, concurrency, len(results), errors, wall, sum(r.tokens for r in results) / wall,
                  percentile(ttft, 50), percentile(ttft, 95), percentile(per_token, 50), percentile(per_token, 95),
                  delta["acceptance_length_sum"] / rounds if rounds else None,
-                 delta["speculation_cache_hits_total"] / lookups if lookups else None)
+                 delta["speculation_cache_hits_total"] / lookups if lookups else None,
+                 {k.split(":")[1]: int(v) for k, v in sorted(delta.items()) if k.startswith("auto_rounds:") and v})
 
 
 def launch(method: str, serve_args: list[str]) -> tuple[subprocess.Popen, str]:
@@ -172,11 +181,12 @@ def markdown(levels: list[Level]) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
 
     lines = ["| method | clients | requests | errors | tokens/s | TTFT p50 ms | TTFT p95 ms | per-token p50 ms "
-             "| per-token p95 ms | acceptance length | cache hit rate |", "|" + "---|" * 11]
+             "| per-token p95 ms | acceptance length | cache hit rate | auto's rounds by K |", "|" + "---|" * 12]
     for v in levels:
         lines.append(f"| {v.method} | {v.concurrency} | {v.requests} | {v.errors} | {fmt(v.tokens_per_s)} | "
                      f"{fmt(v.ttft_p50_ms, 0)} | {fmt(v.ttft_p95_ms, 0)} | {fmt(v.per_token_p50_ms)} | "
-                     f"{fmt(v.per_token_p95_ms)} | {fmt(v.acceptance_length, 2)} | {fmt(v.cache_hit_rate, 2)} |")
+                     f"{fmt(v.per_token_p95_ms)} | {fmt(v.acceptance_length, 2)} | {fmt(v.cache_hit_rate, 2)} | "
+                     f"{' '.join(f'{k}: {n}' for k, n in v.auto_rounds.items()) or '-'} |")
     return "\n".join(lines)
 
 

@@ -154,6 +154,55 @@ def test_a_restored_profile_spares_a_new_process_its_first_measurements():
     assert Controller(max_k=4).choose(1) == 0  # control
 
 
+def test_restored_costs_give_way_to_this_processs_passes():
+    """A profile's costs are a shape: the first counted pass here at a row count replaces its
+    restored cost, and the row counts not measured here yet follow the median ratio of those
+    measured. Control: costs measured in this process only move by EMA a pass."""
+    costs = RowCosts()
+    costs.restore([1, 2, 4], [0.010, 0.030, 0.014])
+    costs.add(1, 0.005)  # a warm-up, as in any process
+    assert costs(1) == 0.010
+    costs.add(1, 0.005)
+    assert (costs(1), costs(2), costs(4)) == pytest.approx((0.005, 0.015, 0.007))
+    costs.add(4, 0.007)
+    costs.add(4, 0.0105)  # ratio 0.75: the median of 0.5 and 0.75 scales row 2 now
+    assert (costs(4), costs(2)) == pytest.approx((0.0105, 0.030 * 0.625))
+    costs.add(4, 0.0035)
+    assert costs(4) == pytest.approx(0.0105 + 0.2 * (0.0035 - 0.0105))  # measured here: EMA from now on
+    fresh = RowCosts()
+    for seconds in (0.010, 0.010, 0.005):
+        fresh.add(1, seconds)
+    assert fresh(1) == pytest.approx(0.009)  # control
+
+
+def inflated_profile(true_cost, slowdown: dict[int, float], acceptance: float) -> dict:
+    """The profile a busy server leaves: pass costs measured slow (some row counts more than
+    others), the drafts' acceptance as it was."""
+    source = Controller(max_k=3)
+    for _ in range(20):
+        measured(source, 1, lambda rows: true_cost(rows) * slowdown.get(rows, 1.0), 0.0005, acceptance)
+    return json.loads(json.dumps(source.profile()))
+
+
+@pytest.mark.parametrize("sd_pays", [True, False])
+def test_a_process_started_from_slow_costs_finds_sd_again(sd_pays):
+    """Started from a server's profile whose passes were measured 1.6-2.5x slow, a batch-1 stream
+    of rounds runs AR at the true costs: the first AR passes rescale the restored ones, SD is
+    tried and wins where it pays (the true costs barely grow with rows and half the drafts are
+    accepted). Control: where it does not (every row costs as much as a step), AR stays."""
+    true_cost = (lambda rows: 0.004 + 0.0001 * rows) if sd_pays else (lambda rows: 0.004 * rows)  # noqa: E731
+    controller = Controller(max_k=3)
+    controller.start_from(inflated_profile(true_cost, {1: 1.6, 2: 2.5, 3: 2.5, 4: 2.5}, 0.5))
+    choices = []
+    for _ in range(200):
+        k = controller.choose(1)
+        choices.append(k)
+        accepted = [min(k, 1)] if k else []  # about half of a K's drafts accepted
+        controller.record(1, k, true_cost(k + 1), 0.0005 * k, accepted, 1 + (accepted[0] if accepted else 0))
+    late = choices[100:]
+    assert (sum(k > 0 for k in late) > 90) == sd_pays, late
+
+
 def test_auto_leaves_its_profile_for_the_next_decoder(target, draft, tmp_path):
     path = tmp_path / "profile.json"
     drafter = lambda: sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=TINY_K, prompt_lookup=0))  # noqa: E731
@@ -250,6 +299,25 @@ def test_no_try_while_the_batch_holds_requests_the_draft_has_not_seen():
     assert controller.rate(4, 1) >= auto_module.EXPLORE_WITHIN * controller.rate(4, 0)
     assert controller.choose(4, can_try=False) == 0
     assert controller.choose(4) == 1
+
+
+def test_a_try_may_take_up_one_request_new_to_the_draft():
+    """auto lets a round try a choice while one request of the batch is new to the draft (a
+    server's lone request always is while AR runs: none allowed kept auto from measuring SD
+    again there), not while two are."""
+    class Draft:
+        drafter = dataclasses.make_dataclass("Drafter", [("k", int)])(2)
+
+        def knows(self, seq) -> bool:
+            return seq.seq_id == 0
+
+    policy = auto_module.AutoPolicy(Draft())
+    asked = []
+    policy.controller.choose = lambda batch, can_try=True: asked.append(can_try) or 0
+    seqs = [Sequence(i, [1, 2, 3], SamplingParams(temperature=0, max_tokens=4), []) for i in range(3)]
+    for batch in (seqs[:1], seqs[1:2], seqs[:2], seqs):
+        policy.choose(batch)
+    assert asked == [True, True, True, False]
 
 
 def tried_at_batch_16() -> set:

@@ -78,6 +78,7 @@ SSD_MIN_ROUNDS = 8  # the shortest SSD stint
 REFRESH_ROUNDS = 64  # a choice not measured for this many rounds at a batch size is measured again ...
 REFRESH_WITHIN = 0.5  # ... if its rate is at least this share of the best
 TRY_COST = 2.0  # a choice is tried (untried or stale) only if its round costs at most this many of the best's
+TRY_WITH_UNSEEN = 1  # ... and only in a batch with at most this many requests the draft has not run
 MIN_VERIFIED_BEFORE_SSD = 32  # draft tokens verified before the acceptance may start a worker
 SSD_CHECK_ROUNDS = 16  # rounds between two asks whether a worker on the target's cores would pay
 PROFILE_ROUNDS = 256  # rounds between two writes of the profile a later process starts from
@@ -286,9 +287,11 @@ class Controller:
     def choose(self, batch: int, can_try: bool = True) -> Option:
         """AR and the largest K run first, so both costs are measured; then the best rate,
         after one try of any untried choice the model rates close to it. can_try: whether a try
-        (of an untried or a stale choice) may run now; not while the batch holds requests whose
-        prompts the draft has not run, which a try would first prefill: the try would then be
-        charged the price of entry of every request in the batch, and cost more than it learns."""
+        (of an untried or a stale choice) may run now; not while the batch holds more than
+        TRY_WITH_UNSEEN requests whose prompts the draft has not run, which a try would first
+        prefill: the try would then be charged the price of entry of every request in the batch,
+        and cost more than it learns. One is allowed: a server's lone request is always new to
+        the draft while AR runs, and with none allowed auto there never measured SD again."""
         if self.target(batch) is None:
             return self._pick(0)
         if not self.draft_step.rows:
@@ -396,7 +399,7 @@ class Controller:
         here) and its acceptance, counted as at most PROFILE_WEIGHT verified drafts a position,
         so that this process's own rounds soon outweigh it."""
         for costs, (rows, seconds) in ((self.target, profile["target"]), (self.draft_step, profile["draft_step"])):
-            costs.rows, costs.seconds = [int(r) for r in rows], [float(x) for x in seconds]
+            costs.restore(rows, seconds)
         for kind in (False, True):
             accepted, tried = profile["verified"]["sampling" if kind else "greedy"]
             scales = [min(1.0, PROFILE_WEIGHT / t) if t > 0 else 0.0 for t in tried]
@@ -512,7 +515,8 @@ class AutoPolicy:
         if self.launcher is not None and self.rounds % SSD_CHECK_ROUNDS == 1 and \
                 self.controller.ssd_would_pay(len(seqs), self.cores.ratio):
             self._start_ssd()
-        choice = self.controller.choose(len(seqs), can_try=all(self.draft.knows(s) for s in seqs))
+        unseen = sum(not self.draft.knows(s) for s in seqs)
+        choice = self.controller.choose(len(seqs), can_try=unseen <= TRY_WITH_UNSEEN)
         if isinstance(choice, TreeShape):
             return self._trees[choice]
         return Choice(self.ssd, self.controller.max_k, "ssd") if choice == SSD else self._choices[choice]

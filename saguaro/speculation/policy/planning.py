@@ -113,12 +113,25 @@ class RowCosts:
     interpolated linearly between them, flat below the smallest and proportional above the
     largest (a pass never costs less than a smaller one). The first pass at a row count is a
     warm-up and is not counted: a process's first passes run several times slower, and a cost
-    measured then would keep auto off that choice for good."""
+    measured then would keep auto off that choice for good. Costs restored from an earlier
+    process (`restore`) are a shape: this process's first counted pass at a row count replaces
+    its restored cost, and the row counts not yet measured here are scaled by the median ratio of
+    those measured to their restored costs. A profile taken while a busy server's threads slowed
+    its passes, or in a slower hour of the machine, would otherwise keep auto off the choices
+    whose passes it no longer runs (a trial is only made of a choice predicted close to the best)."""
 
     def __init__(self):
         self.rows: list[int] = []
         self.seconds: list[float] = []
         self.warmed: set[int] = set()
+        self.restored: dict[int, float] = {}  # row count -> cost an earlier process measured, not yet measured here
+        self.ratios: list[float] = []  # measured here / restored, at the row counts measured since
+
+    def restore(self, rows: list[int], seconds: list[float]) -> None:
+        """Costs an earlier process measured (its profile), each to be replaced by this
+        process's first counted pass at that row count."""
+        self.rows, self.seconds = [int(r) for r in rows], [float(x) for x in seconds]
+        self.restored, self.ratios = dict(zip(self.rows, self.seconds)), []
 
     @classmethod
     def of(cls, table: dict[int, float]) -> "RowCosts":
@@ -133,7 +146,14 @@ class RowCosts:
             self.warmed.add(rows)
             return
         i = bisect.bisect_left(self.rows, rows)
-        if i < len(self.rows) and self.rows[i] == rows:
+        if i < len(self.rows) and self.rows[i] == rows and rows in self.restored:
+            self.ratios.append(seconds / self.restored.pop(rows))
+            self.seconds[i] = seconds
+            scale = statistics.median(self.ratios)
+            for j, r in enumerate(self.rows):
+                if r in self.restored:
+                    self.seconds[j] = self.restored[r] * scale
+        elif i < len(self.rows) and self.rows[i] == rows:
             self.seconds[i] += EMA * (seconds - self.seconds[i])
         else:
             self.rows.insert(i, rows)
