@@ -154,21 +154,21 @@ def test_a_restored_profile_spares_a_new_process_its_first_measurements():
     assert Controller(max_k=4).choose(1) == 0  # control
 
 
-def test_restored_costs_give_way_to_this_processs_passes():
-    """A profile's costs are a shape: the first counted pass here at a row count replaces its
-    restored cost, and the row counts not measured here yet follow the median ratio of those
-    measured. Control: costs measured in this process only move by EMA a pass."""
+def test_restored_costs_stand_until_a_pass_here_contradicts_them():
+    """A profile's cost stands until this process measures its row count: a pass within
+    RESTORED_WITHIN of it replaces it alone, one further off drops every restored cost. Control:
+    costs measured in this process move by EMA a pass."""
     costs = RowCosts()
     costs.restore([1, 2, 4], [0.010, 0.030, 0.014])
-    costs.add(1, 0.005)  # a warm-up, as in any process
+    assert not costs.add(1, 0.005)  # a warm-up, as in any process
     assert costs(1) == 0.010
-    costs.add(1, 0.005)
-    assert (costs(1), costs(2), costs(4)) == pytest.approx((0.005, 0.015, 0.007))
+    assert not costs.add(1, 0.009)  # within RESTORED_WITHIN: replaces that row count's cost
+    assert (costs(1), costs(2), costs(4)) == pytest.approx((0.009, 0.030, 0.014))
     costs.add(4, 0.007)
-    costs.add(4, 0.0105)  # ratio 0.75: the median of 0.5 and 0.75 scales row 2 now
-    assert (costs(4), costs(2)) == pytest.approx((0.0105, 0.030 * 0.625))
-    costs.add(4, 0.0035)
-    assert costs(4) == pytest.approx(0.0105 + 0.2 * (0.0035 - 0.0105))  # measured here: EMA from now on
+    assert costs.add(4, 0.007)  # half the restored cost: the restored costs go
+    assert costs.rows == [1, 4] and costs(2) == pytest.approx(0.009 - 0.002 / 3)  # measured ones interpolate
+    assert not costs.add(4, 0.0035)
+    assert costs(4) == pytest.approx(0.007 + 0.2 * (0.0035 - 0.007))  # measured here: EMA from now on
     fresh = RowCosts()
     for seconds in (0.010, 0.010, 0.005):
         fresh.add(1, seconds)
@@ -301,10 +301,10 @@ def test_no_try_while_the_batch_holds_requests_the_draft_has_not_seen():
     assert controller.choose(4) == 1
 
 
-def test_a_try_may_take_up_one_request_new_to_the_draft():
-    """auto lets a round try a choice while one request of the batch is new to the draft (a
-    server's lone request always is while AR runs: none allowed kept auto from measuring SD
-    again there), not while two are."""
+def test_a_try_may_take_up_a_lone_request_new_to_the_draft():
+    """auto lets a round try a choice on a lone request new to the draft (a server's always is
+    while AR runs: with none allowed, auto never measured SD there again), not in a batch of
+    several holding one."""
     class Draft:
         drafter = dataclasses.make_dataclass("Drafter", [("k", int)])(2)
 
@@ -315,9 +315,9 @@ def test_a_try_may_take_up_one_request_new_to_the_draft():
     asked = []
     policy.controller.choose = lambda batch, can_try=True: asked.append(can_try) or 0
     seqs = [Sequence(i, [1, 2, 3], SamplingParams(temperature=0, max_tokens=4), []) for i in range(3)]
-    for batch in (seqs[:1], seqs[1:2], seqs[:2], seqs):
+    for batch in (seqs[:1], seqs[1:2], seqs[:2], seqs):  # known; new; one new of two; two new of three
         policy.choose(batch)
-    assert asked == [True, True, True, False]
+    assert asked == [True, True, False, False]
 
 
 def tried_at_batch_16() -> set:

@@ -78,7 +78,6 @@ SSD_MIN_ROUNDS = 8  # the shortest SSD stint
 REFRESH_ROUNDS = 64  # a choice not measured for this many rounds at a batch size is measured again ...
 REFRESH_WITHIN = 0.5  # ... if its rate is at least this share of the best
 TRY_COST = 2.0  # a choice is tried (untried or stale) only if its round costs at most this many of the best's
-TRY_WITH_UNSEEN = 1  # ... and only in a batch with at most this many requests the draft has not run
 MIN_VERIFIED_BEFORE_SSD = 32  # draft tokens verified before the acceptance may start a worker
 SSD_CHECK_ROUNDS = 16  # rounds between two asks whether a worker on the target's cores would pay
 PROFILE_ROUNDS = 256  # rounds between two writes of the profile a later process starts from
@@ -287,11 +286,12 @@ class Controller:
     def choose(self, batch: int, can_try: bool = True) -> Option:
         """AR and the largest K run first, so both costs are measured; then the best rate,
         after one try of any untried choice the model rates close to it. can_try: whether a try
-        (of an untried or a stale choice) may run now; not while the batch holds more than
-        TRY_WITH_UNSEEN requests whose prompts the draft has not run, which a try would first
-        prefill: the try would then be charged the price of entry of every request in the batch,
-        and cost more than it learns. One is allowed: a server's lone request is always new to
-        the draft while AR runs, and with none allowed auto there never measured SD again."""
+        (of an untried or a stale choice) may run now; not while a batch of several holds
+        requests whose prompts the draft has not run, which a try would first prefill: the try
+        would then be charged the price of entry of every request in the batch, and cost more
+        than it learns (in a server at 8 clients, tries with one new request among 8 ran K = 1 in
+        most rounds, at 0.8x AR). A lone request may be new: a server's always is while AR runs,
+        and auto would never measure SD there again."""
         if self.target(batch) is None:
             return self._pick(0)
         if not self.draft_step.rows:
@@ -341,7 +341,7 @@ class Controller:
         K steps draft_s then times; none where the draft first ran the tokens of a stretch
         without it (catching up on AR rounds is not what a step costs). Prompt lookup's
         sequences cost no step, so a round where it proposed for some still times the others'."""
-        self.target.add(batch * (k + 1), target_s)
+        self._add_target_pass(batch * (k + 1), target_s)
         if k and steady_rows != 0:
             self.draft_step.add(batch if steady_rows is None else steady_rows, draft_s / k)
         if k:
@@ -365,13 +365,19 @@ class Controller:
         """One round of SD with token trees: its target pass (rows by its nodes), its drafting
         (steady: no sequence first caught up on a stretch without the draft) and the tokens it
         committed."""
-        self.target.add(batch * (tree.num_nodes + 1), target_s)
+        self._add_target_pass(batch * (tree.num_nodes + 1), target_s)
         if steady:
             self.tree_draft.setdefault(tree, RowCosts()).add(batch, draft_s)
         sums = self.tree_tokens.setdefault((self.sampling, tree), [0.0, 0.0])
         sums[0] = sums[0] * ACCEPTANCE_DECAY + committed
         sums[1] = sums[1] * ACCEPTANCE_DECAY + batch
         self._measure(batch, tree, committed, target_s + draft_s + draft_prefill_s)
+
+    def _add_target_pass(self, rows: int, seconds: float) -> None:
+        """A target pass's cost; one that contradicts the restored profile drops the draft's
+        restored costs too, so that auto measures both as a fresh process does (AR, then K_max)."""
+        if self.target.add(rows, seconds):
+            self.draft_step.drop_restored()
 
     def record_ssd(self, batch: int, verify_s: float, wait_s: float, hits: list[bool | None],
                    committed: list[int]) -> None:
@@ -515,8 +521,8 @@ class AutoPolicy:
         if self.launcher is not None and self.rounds % SSD_CHECK_ROUNDS == 1 and \
                 self.controller.ssd_would_pay(len(seqs), self.cores.ratio):
             self._start_ssd()
-        unseen = sum(not self.draft.knows(s) for s in seqs)
-        choice = self.controller.choose(len(seqs), can_try=unseen <= TRY_WITH_UNSEEN)
+        can_try = len(seqs) == 1 or all(self.draft.knows(s) for s in seqs)
+        choice = self.controller.choose(len(seqs), can_try=can_try)
         if isinstance(choice, TreeShape):
             return self._trees[choice]
         return Choice(self.ssd, self.controller.max_k, "ssd") if choice == SSD else self._choices[choice]

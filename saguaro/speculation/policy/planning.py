@@ -15,6 +15,7 @@ import statistics
 from dataclasses import dataclass
 
 EMA = 0.2  # weight of a new measurement of a pass's cost
+RESTORED_WITHIN = 1.25  # a pass this many times off its restored cost (either way) drops the restored costs
 
 
 def outcome_probs(a: float, k: int) -> list[float]:
@@ -114,24 +115,28 @@ class RowCosts:
     largest (a pass never costs less than a smaller one). The first pass at a row count is a
     warm-up and is not counted: a process's first passes run several times slower, and a cost
     measured then would keep auto off that choice for good. Costs restored from an earlier
-    process (`restore`) are a shape: this process's first counted pass at a row count replaces
-    its restored cost, and the row counts not yet measured here are scaled by the median ratio of
-    those measured to their restored costs. A profile taken while a busy server's threads slowed
-    its passes, or in a slower hour of the machine, would otherwise keep auto off the choices
-    whose passes it no longer runs (a trial is only made of a choice predicted close to the best)."""
+    process (`restore`) stand until this process measures their row count: its first counted
+    pass replaces the restored cost, and one that differs from it by more than RESTORED_WITHIN
+    drops every restored cost (`add` says so): a profile taken while a busy server's threads
+    slowed its passes would otherwise keep auto off the choices it no longer runs, since a try
+    is only made of a choice predicted close to the best."""
 
     def __init__(self):
         self.rows: list[int] = []
         self.seconds: list[float] = []
         self.warmed: set[int] = set()
-        self.restored: dict[int, float] = {}  # row count -> cost an earlier process measured, not yet measured here
-        self.ratios: list[float] = []  # measured here / restored, at the row counts measured since
+        self.restored: set[int] = set()  # row counts whose cost an earlier process measured, not measured here yet
 
     def restore(self, rows: list[int], seconds: list[float]) -> None:
-        """Costs an earlier process measured (its profile), each to be replaced by this
-        process's first counted pass at that row count."""
+        """Costs an earlier process measured (its profile)."""
         self.rows, self.seconds = [int(r) for r in rows], [float(x) for x in seconds]
-        self.restored, self.ratios = dict(zip(self.rows, self.seconds)), []
+        self.restored = set(self.rows)
+
+    def drop_restored(self) -> None:
+        """Forgets the restored costs this process has not measured yet."""
+        kept = [(r, x) for r, x in zip(self.rows, self.seconds) if r not in self.restored]
+        self.rows, self.seconds = [r for r, _ in kept], [x for _, x in kept]
+        self.restored = set()
 
     @classmethod
     def of(cls, table: dict[int, float]) -> "RowCosts":
@@ -141,23 +146,25 @@ class RowCosts:
         costs.warmed = set(costs.rows)
         return costs
 
-    def add(self, rows: int, seconds: float) -> None:
+    def add(self, rows: int, seconds: float) -> bool:
+        """Counts a pass; True where it contradicted a restored cost (the restored ones are then dropped)."""
         if rows not in self.warmed:
             self.warmed.add(rows)
-            return
+            return False
         i = bisect.bisect_left(self.rows, rows)
         if i < len(self.rows) and self.rows[i] == rows and rows in self.restored:
-            self.ratios.append(seconds / self.restored.pop(rows))
+            self.restored.discard(rows)
+            contradicted = not 1 / RESTORED_WITHIN <= seconds / self.seconds[i] <= RESTORED_WITHIN
             self.seconds[i] = seconds
-            scale = statistics.median(self.ratios)
-            for j, r in enumerate(self.rows):
-                if r in self.restored:
-                    self.seconds[j] = self.restored[r] * scale
-        elif i < len(self.rows) and self.rows[i] == rows:
+            if contradicted:
+                self.drop_restored()
+            return contradicted
+        if i < len(self.rows) and self.rows[i] == rows:
             self.seconds[i] += EMA * (seconds - self.seconds[i])
         else:
             self.rows.insert(i, rows)
             self.seconds.insert(i, seconds)
+        return False
 
     def __call__(self, rows: int) -> float | None:
         if not self.rows:
