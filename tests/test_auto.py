@@ -7,6 +7,8 @@ import dataclasses
 import gc
 import itertools
 import json
+import time
+import types
 from concurrent.futures import Future
 
 import pytest
@@ -173,6 +175,37 @@ def test_restored_costs_stand_until_a_pass_here_contradicts_them():
     for seconds in (0.010, 0.010, 0.005):
         fresh.add(1, seconds)
     assert fresh(1) == pytest.approx(0.009)  # control
+
+
+def test_a_round_that_waited_counts_for_its_rate_not_for_its_passes_costs():
+    """A round whose thread waited (RoundRecord.waited) adds to its choice's measured rate, but
+    its times say nothing of what its passes cost. Control: the same round unwaited sets them."""
+    waited, control = Controller(max_k=1), Controller(max_k=1)
+    for controller, flag in ((waited, True), (control, False)):
+        for _ in range(3):
+            controller.record(1, 1, 0.012, 0.004, [1], 2, waited=flag)
+    assert waited.target(2) is None and not waited.draft_step.rows and waited.was_measured(1, 1)
+    assert control.target(2) == pytest.approx(0.012) and control.draft_step(1) == pytest.approx(0.004)
+
+
+def test_a_round_whose_thread_did_not_run_throughout_is_marked_waited(target, monkeypatch):
+    """A round is marked waited when its thread ran for less than 1 / WAITED of it on a CPU
+    target (a spinning Python thread beside the engine, as a busy server's HTTP thread, made
+    rounds take 12 ms of wall time where their thread ran 3). The thread's clock stands still
+    here (all waiting); control: it runs with the wall clock (no waiting)."""
+    import saguaro.engine.round as round_module
+
+    def marks(thread_time) -> list[bool]:
+        monkeypatch.setattr(round_module, "time", types.SimpleNamespace(perf_counter=time.perf_counter,
+                                                                        thread_time=thread_time))
+        decoder = build.ar_decoder(target)
+        seqs = [Sequence(0, [3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), [])]
+        decoder.reserve(1, 4 + 6 + decoder.lookahead)
+        decoder.prefill(seqs)
+        return [decoder.step(seqs).waited for _ in range(4)]
+
+    assert marks(lambda: 0.0) == [True] * 4
+    assert marks(time.perf_counter) == [False] * 4  # control
 
 
 def inflated_profile(true_cost, slowdown: dict[int, float], acceptance: float) -> dict:

@@ -65,6 +65,7 @@ class Choice:
 
 
 AR = Choice()
+WAITED = 1.25  # a round whose thread ran for less than 1 / WAITED of it waited (RoundRecord.waited)
 
 
 @dataclass
@@ -77,6 +78,10 @@ class RoundRecord:
     outcomes: list[Outcome]
     propose_s: float  # the proposer's time, the sequences it took up first not counted (proposal.start_s)
     verify_s: float  # the target's pass and the commit
+    # The engine's thread ran for less than 1 / WAITED of the round on a CPU target: it waited for
+    # the interpreter (a server's HTTP thread held it: passes then took 12 ms where they run in 3)
+    # or for a core, so the round's times say what it cost then, not what its passes cost.
+    waited: bool = False
 
     @property
     def committed(self) -> int:
@@ -186,6 +191,8 @@ class Decoder:
         self.reserved: list[Proposer] = []  # proposers that have run rounds, in the order they came
         self.current: Proposer | None = None  # the last round's proposer
         self.counters = SpecDecodeCounters()
+        # a GPU pass's thread may sleep on the device, so only a CPU target's rounds are judged waited
+        self.on_cpu = verifier.target.device.type == "cpu"
 
     @property
     def num_speculative_tokens(self) -> int | None:
@@ -225,7 +232,7 @@ class Decoder:
             proposer.reserve(*self.shape)
             self.reserved.append(proposer)
         lengths_before = [len(s) for s in seqs]
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         proposal = proposer.propose(seqs, choice.k, choice.tree) if proposer is not None else None
         proposed = time.perf_counter()
         if proposal is None:
@@ -233,8 +240,9 @@ class Decoder:
         else:
             outcomes, hidden = self.verifier.verify(seqs, proposal)
         verified = time.perf_counter()
+        waited = self.on_cpu and (time.thread_time() - started_cpu) * WAITED < verified - started
         record = RoundRecord(choice, seqs, lengths_before, proposal, outcomes,
-                             proposed - started - (proposal.start_s if proposal else 0.0), verified - proposed)
+                             proposed - started - (proposal.start_s if proposal else 0.0), verified - proposed, waited)
         if readers := self.readers:
             ran = [hidden[i, :outcome.accepted_len + 1] for i, outcome in enumerate(outcomes)]
             for reader in readers:

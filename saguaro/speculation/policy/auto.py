@@ -330,7 +330,7 @@ class Controller:
 
     def record(self, batch: int, k: int, target_s: float, draft_s: float, accepted_lens: list[int],
                committed: int, draft_prefill_s: float = 0.0, steady_rows: int | None = None,
-               lookup_lens: list[int] = ()) -> None:
+               lookup_lens: list[int] = (), waited: bool = False) -> None:
         """One AR or SD round: its passes' times, the accepted drafts of each sequence the draft
         model drafted for and (lookup_lens) of each prompt lookup proposed for, kept apart
         (lookups are accepted far more often on code; mixed, they would make a deep K look good
@@ -340,9 +340,12 @@ class Controller:
         steady_rows: the sequences the draft model drafted one step at a time (None: all), whose
         K steps draft_s then times; none where the draft first ran the tokens of a stretch
         without it (catching up on AR rounds is not what a step costs). Prompt lookup's
-        sequences cost no step, so a round where it proposed for some still times the others'."""
-        self._add_target_pass(batch * (k + 1), target_s)
-        if k and steady_rows != 0:
+        sequences cost no step, so a round where it proposed for some still times the others'.
+        waited: the engine's thread waited during the round (RoundRecord.waited): its times count
+        for the choice's measured rate, not as what its passes cost."""
+        if not waited:
+            self._add_target_pass(batch * (k + 1), target_s)
+        if k and steady_rows != 0 and not waited:
             self.draft_step.add(batch if steady_rows is None else steady_rows, draft_s / k)
         if k:
             for table, lens in ((self.verified, accepted_lens), (self.verified_lookup, lookup_lens)):
@@ -361,12 +364,13 @@ class Controller:
         self._measure(batch, k, committed, target_s + draft_s + draft_prefill_s)
 
     def record_tree(self, batch: int, tree: TreeShape, target_s: float, draft_s: float, committed: int,
-                    draft_prefill_s: float = 0.0, steady: bool = True) -> None:
+                    draft_prefill_s: float = 0.0, steady: bool = True, waited: bool = False) -> None:
         """One round of SD with token trees: its target pass (rows by its nodes), its drafting
         (steady: no sequence first caught up on a stretch without the draft) and the tokens it
-        committed."""
-        self._add_target_pass(batch * (tree.num_nodes + 1), target_s)
-        if steady:
+        committed; waited as for `record`."""
+        if not waited:
+            self._add_target_pass(batch * (tree.num_nodes + 1), target_s)
+        if steady and not waited:
             self.tree_draft.setdefault(tree, RowCosts()).add(batch, draft_s)
         sums = self.tree_tokens.setdefault((self.sampling, tree), [0.0, 0.0])
         sums[0] = sums[0] * ACCEPTANCE_DECAY + committed
@@ -539,7 +543,7 @@ class AutoPolicy:
             return
         if record.choice.tree is not None and proposal is not None:
             self.controller.record_tree(batch, record.choice.tree, record.verify_s, record.propose_s, record.committed,
-                                        proposal.start_s, proposal.steady_rows == batch)
+                                        proposal.start_s, proposal.steady_rows == batch, record.waited)
             return
         k = record.choice.k if proposal is not None else 0
         looked_up = set(proposal.looked_up) if proposal is not None else set()
@@ -547,7 +551,7 @@ class AutoPolicy:
         self.controller.record(batch, k, record.verify_s, record.propose_s, accepted, record.committed,
                                proposal.start_s if proposal is not None else 0.0,
                                batch if proposal is None else proposal.steady_rows,
-                               [record.outcomes[i].accepted_len for i in sorted(looked_up)])
+                               [record.outcomes[i].accepted_len for i in sorted(looked_up)], record.waited)
 
     def _adopt_ssd(self) -> None:
         """Takes SSD's proposer once its worker is up (a worker that failed to start leaves auto
