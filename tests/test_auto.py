@@ -179,13 +179,22 @@ def test_restored_costs_stand_until_a_pass_here_contradicts_them():
 
 def test_a_round_that_waited_counts_for_its_rate_not_for_its_passes_costs():
     """A round whose thread waited (RoundRecord.waited) adds to its choice's measured rate, but
-    its times say nothing of what its passes cost. Control: the same round unwaited sets them."""
+    leaves the costs its passes were measured at; where none is known yet it sets them (a
+    machine whose every round waits still gets costs). Control: the same rounds unwaited move
+    the costs."""
     waited, control = Controller(max_k=1), Controller(max_k=1)
     for controller, flag in ((waited, True), (control, False)):
+        for _ in range(2):  # a warm-up, then a measurement
+            controller.record(1, 1, 0.004, 0.001, [1], 2)
         for _ in range(3):
             controller.record(1, 1, 0.012, 0.004, [1], 2, waited=flag)
-    assert waited.target(2) is None and not waited.draft_step.rows and waited.was_measured(1, 1)
-    assert control.target(2) == pytest.approx(0.012) and control.draft_step(1) == pytest.approx(0.004)
+    assert waited.target(2) == pytest.approx(0.004) and waited.draft_step(1) == pytest.approx(0.001)
+    assert waited.was_measured(1, 1) and waited.measured[(1, False, 1)][2] > 3
+    assert control.target(2) > 0.006 and control.draft_step(1) > 0.002
+    fresh = Controller(max_k=1)
+    for _ in range(3):
+        fresh.record(1, 1, 0.012, 0.004, [1], 2, waited=True)
+    assert fresh.target(2) == pytest.approx(0.012) and fresh.draft_step(1) == pytest.approx(0.004)
 
 
 def test_a_round_whose_thread_did_not_run_throughout_is_marked_waited(target, monkeypatch):

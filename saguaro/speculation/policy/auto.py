@@ -342,11 +342,13 @@ class Controller:
         without it (catching up on AR rounds is not what a step costs). Prompt lookup's
         sequences cost no step, so a round where it proposed for some still times the others'.
         waited: the engine's thread waited during the round (RoundRecord.waited): its times count
-        for the choice's measured rate, not as what its passes cost."""
-        if not waited:
+        for the choice's measured rate, and as what its passes cost only where no cost is known
+        at their row count (a machine whose every round waits still gets costs)."""
+        if not waited or batch * (k + 1) not in self.target.rows:
             self._add_target_pass(batch * (k + 1), target_s)
-        if k and steady_rows != 0 and not waited:
-            self.draft_step.add(batch if steady_rows is None else steady_rows, draft_s / k)
+        step_rows = batch if steady_rows is None else steady_rows
+        if k and steady_rows != 0 and (not waited or step_rows not in self.draft_step.rows):
+            self.draft_step.add(step_rows, draft_s / k)
         if k:
             for table, lens in ((self.verified, accepted_lens), (self.verified_lookup, lookup_lens)):
                 accepted, tried = table[self.sampling]
@@ -368,10 +370,11 @@ class Controller:
         """One round of SD with token trees: its target pass (rows by its nodes), its drafting
         (steady: no sequence first caught up on a stretch without the draft) and the tokens it
         committed; waited as for `record`."""
-        if not waited:
+        if not waited or batch * (tree.num_nodes + 1) not in self.target.rows:
             self._add_target_pass(batch * (tree.num_nodes + 1), target_s)
-        if steady and not waited:
-            self.tree_draft.setdefault(tree, RowCosts()).add(batch, draft_s)
+        drafting = self.tree_draft.setdefault(tree, RowCosts())
+        if steady and (not waited or batch not in drafting.rows):
+            drafting.add(batch, draft_s)
         sums = self.tree_tokens.setdefault((self.sampling, tree), [0.0, 0.0])
         sums[0] = sums[0] * ACCEPTANCE_DECAY + committed
         sums[1] = sums[1] * ACCEPTANCE_DECAY + batch
