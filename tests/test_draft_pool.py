@@ -68,6 +68,7 @@ def test_a_lost_worker_takes_only_its_own_requests_off_ssd(with_ssd, llm, draft_
     assert sorted(owner.values()) == [0, 0, 1, 1]
     assert any(hits_after_fault[1])  # the other worker's requests still hit its cache
     assert not any(hits_after_fault[0][:4])  # the lost worker's are on n-gram guesses (until a new one is up)
+    assert ssd.stats.miss_causes["lost"] > 0 and None not in ssd.stats.miss_causes  # ... misses of their own cause
     decoder.step = step
     if pool.lanes[0].restart is not None:
         pool.lanes[0].restart.result(timeout=120)

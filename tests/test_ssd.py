@@ -563,7 +563,7 @@ def test_ssd_greedy_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy, bac
     summary = stats.summary()
     assert summary["cache_hit_rate"] is not None and 0 < summary["cache_hit_rate"]
     misses = sum(len(v) for v in stats.miss_lengths.values())  # every miss has its cause
-    assert misses > 0 and sum(summary[f"misses_{c}"] for c in ("bonus", "length", "unfilled")) == misses
+    assert misses > 0 and sum(summary[f"misses_{c}"] for c in remote_proposer.MISS_CAUSES) == misses
 
 
 def test_ssd_with_prompt_lookup_equals_ar(with_ssd, llm, draft_path, prompts, ar_greedy):

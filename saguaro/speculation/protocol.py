@@ -119,7 +119,8 @@ class RequestSpeculation:
     hit: bool | None = None  # whether the worker had it cached; None: its first round (nothing to hit)
     lookup: bool = False  # copied from the text (prompt lookup)
     shared: bool = False  # a hit on another request's branch (worker/cache.py)
-    miss: str | None = None  # why its own branches missed: "bonus", "length", "unfilled" (SpeculationCache.miss_cause)
+    miss: str | None = None  # why its own branches missed: "bonus", "length", "unfilled" (SpeculationCache.miss_cause),
+    # or "lost": no worker answered for it (the pool's n-gram guess stood in)
 
 
 @dataclass

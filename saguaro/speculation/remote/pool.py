@@ -110,7 +110,8 @@ class DraftPool:
                 requests[index[sid]] = request
             fill_s, backup_s = max(fill_s, reply.fill_time_s), max(backup_s, reply.backup_time_s)
             drafted += reply.drafted_tokens
-        requests = [r if r is not None else RequestSpeculation(ngram_guess(seq.token_ids, self.k), hit=False)
+        requests = [r if r is not None else
+                    RequestSpeculation(ngram_guess(seq.token_ids, self.k), hit=False, miss="lost")
                     for r, seq in zip(requests, seqs)]
         return Speculation(requests, fill_s, backup_s, drafted)
 

@@ -28,6 +28,7 @@ from saguaro.speculation.protocol import Speculation, dense_probs
 from saguaro.speculation.remote.pool import DraftPool
 from saguaro.system import CoreShare, use_cores
 
+MISS_CAUSES = ("bonus", "length", "unfilled", "lost")  # RequestSpeculation.miss
 EXPLORE_MISSES = 8  # misses each backup is tried on before auto trusts the speed model
 # measurements the speed model reads, the latest of each kind: choosing a backup then costs the
 # same in a server's millionth round as in its first (over all of them, its medians had come to
@@ -80,8 +81,9 @@ class SSDStats:
             "exchange_s_median": median(self.exchange_s),
             "shared_branch_hits": self.shared_hits,
             # where misses come from (a shared hit saves some): the accepted length predicted but
-            # not the bonus token, the accepted length not predicted, or no branches at all
-            **{f"misses_{cause}": self.miss_causes[cause] for cause in ("bonus", "length", "unfilled")},
+            # not the bonus token, the accepted length not predicted, no branches at all, or no
+            # worker's answer (it was lost and the round ran on an n-gram guess)
+            **{f"misses_{cause}": self.miss_causes[cause] for cause in MISS_CAUSES},
             "draft_tokens_per_committed_token":
                 self.drafted_tokens / self.committed_tokens if self.committed_tokens else None,
         }
