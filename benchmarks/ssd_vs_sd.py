@@ -18,7 +18,7 @@ from saguaro import LLM, SamplingParams
 from saguaro.bench.runner import BenchConfig, bench_prompts
 
 SSD_FIGURES = ("cache_hit_rate", "acceptance_length_hit", "acceptance_length_miss_neural", "misses_bonus",
-               "misses_length", "misses_unfilled", "t_p_median", "verify_s_median", "fill_s_median",
+               "misses_length", "misses_unfilled", "misses_lost", "t_p_median", "verify_s_median", "fill_s_median",
                "target_wait_s_median", "exchange_s_median")
 
 

@@ -289,7 +289,7 @@ class Controller:
         (of an untried or a stale choice) may run now; not while a batch of several holds
         requests whose prompts the draft has not run, which a try would first prefill: the try
         would then be charged the price of entry of every request in the batch, and cost more
-        than it learns (in a server at 8 clients, tries with one new request among 8 ran K = 1 in
+        than it learns (a server at 8 clients that allowed one new request among 8 ran K = 1 in
         most rounds, at 0.8x AR). A lone request may be new: a server's always is while AR runs,
         and auto would never measure SD there again."""
         if self.target(batch) is None:
