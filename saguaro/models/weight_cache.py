@@ -18,7 +18,7 @@ import mmap
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +54,12 @@ class WeightCache:
     def replayed(self) -> bool:
         return self.mapped is not None and len(self.recorded) == len(self.replay)
 
+    def pieces(self) -> Iterator[memoryview]:
+        """The entry's bytes: each buffer, padded to ALIGNMENT."""
+        for _, buffer in self.recorded:
+            yield memoryview(buffer.numpy())
+            yield memoryview(bytes(-buffer.numel() % ALIGNMENT))
+
     def write(self) -> None:
         """The recorded buffers as the folder's entry (written aside, then renamed into place)."""
         total = sum(-(-b.numel() // ALIGNMENT) * ALIGNMENT for _, b in self.recorded)
@@ -62,9 +68,7 @@ class WeightCache:
         staging = Path(tempfile.mkdtemp(dir=self.entry.parent.parent))
         try:
             with open(staging / "weights.bin", "wb") as f:
-                for _, buffer in self.recorded:
-                    f.write(memoryview(buffer.numpy()))
-                    f.write(bytes(-buffer.numel() % ALIGNMENT))
+                write_in_blocks(f.fileno(), self.pieces())
             (staging / "manifest.json").write_text(json.dumps([[tag, b.numel()] for tag, b in self.recorded]))
         except OSError:  # a full disk: nothing half-written stays behind
             shutil.rmtree(staging, ignore_errors=True)
@@ -74,6 +78,38 @@ class WeightCache:
             staging.rename(self.entry)
         except OSError:  # another process wrote it first
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_in_blocks(fd: int, pieces: Iterable[memoryview]) -> None:
+    """Writes the pieces one whole 2 MB block of the file per call: the page cache then holds
+    the file in 2 MB folios, which later loads map as 2 MB pages (written piece by piece, the
+    blocks where pieces meet stayed in small folios: a quarter of a 1 GB entry)."""
+    batch: list[memoryview] = []
+    filled = 0
+    for piece in pieces:
+        piece = piece.cast("B")
+        while len(piece):
+            part = piece[:HUGE_PAGE - filled]
+            batch.append(part)
+            filled += len(part)
+            piece = piece[len(part):]
+            if filled == HUGE_PAGE:
+                write_all(fd, batch)
+                batch, filled = [], 0
+    write_all(fd, batch)
+
+
+def write_all(fd: int, parts: list[memoryview]) -> None:
+    """os.writev until every byte is written (it may write fewer than asked)."""
+    while parts:
+        written = os.writev(fd, parts[:512])  # within any system's IOV_MAX
+        if written == 0:
+            raise OSError(f"writev wrote nothing to fd {fd}")
+        while parts and written >= len(parts[0]):
+            written -= len(parts[0])
+            parts = parts[1:]
+        if parts and written:
+            parts[0] = parts[0][written:]
 
 
 def fresh_buffer(nbytes: int) -> torch.Tensor:
