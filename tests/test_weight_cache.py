@@ -148,3 +148,34 @@ def test_fresh_buffers_lie_on_2mb_pages(asked, monkeypatch):
     huge = huge_pages_of(buffer.data_ptr())
     assert (huge >= 4 * 1024) if asked else huge == 0
     assert int(buffer[-1]) == 7
+
+
+@pytest.mark.parametrize("most", [None, 100_003])
+def test_an_entry_is_written_whole_2mb_blocks_at_a_time(tmp_path, monkeypatch, most):
+    """Pieces of any sizes reach the file byte for byte, one call per 2 MB block of the file (so
+    that the page cache holds it in 2 MB folios), also where a call writes fewer bytes than asked."""
+    import os
+    generator = torch.Generator().manual_seed(0)
+    sizes = [3, 2**21 - 3, 5 * 2**19 + 17, 0, 64, 2**21, 2**22 + 1000]
+    pieces = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator).numpy() for n in sizes]
+    calls, writev = [], os.writev
+
+    def limited(fd, parts):
+        asked = sum(len(p) for p in parts)
+        calls.append(asked)
+        if most is None:
+            return writev(fd, parts)
+        kept, left = [], most
+        for part in parts:
+            kept.append(part[:left])
+            left -= len(kept[-1])
+        return writev(fd, kept)
+
+    monkeypatch.setattr(os, "writev", limited)
+    path = tmp_path / "entry.bin"
+    with open(path, "wb") as f:
+        weight_cache.write_in_blocks(f.fileno(), (memoryview(p) for p in pieces))
+    assert path.read_bytes() == b"".join(p.tobytes() for p in pieces)
+    if most is None:
+        total = sum(sizes)
+        assert calls == [2**21] * (total // 2**21) + [total % 2**21]
