@@ -75,7 +75,7 @@ def pack(bits, codes, scales, lows):
 
 
 @pytest.mark.parametrize("bits", [4, native.SYM4, 5, 8])
-@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (16, 32)], ids=str)
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (16, 32), (48, 2816)], ids=str)  # 2816: chunks of 64 + 24 groups
 def test_group_products_compute_the_documented_arithmetic(bits, shape):
     codes, scales, lows = random_weights(*shape, bits)
     x = torch.randn(7, shape[1]).bfloat16()
@@ -118,6 +118,36 @@ def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(bits):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kind", [gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K,
+                                  gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
+                                  gguf.GGMLQuantizationType.Q6_K], ids=lambda kind: kind.name)
+def test_records_over_many_chunks_of_inputs_compute_the_file_weights_products(kind):
+    """Products over more than one chunk of inputs (saguaro_chunk_groups: 2816 inputs, chunks of
+    64 + 24 groups) read each record where repack.c put it, for any rows and threads."""
+    from test_quantized import random_blocks
+
+    shape = (48, 2816)
+    blocks = random_blocks(kind, *shape, np.random.default_rng(1)).reshape(shape[0], -1)
+    tiles = native.repack(kind, blocks, shape)
+    weights = native.dequantize_rows(kind, blocks, shape).double()
+    x = torch.randn(5, shape[1]).bfloat16()
+    out = native.group_matmul(native.type_bits(kind), tiles, x, shape[0], torch.float32)
+    assert relative_error(out, x.double() @ weights.T) < 3e-2  # the activations' 8-bit rounding
+    alone = torch.cat([native.group_matmul(native.type_bits(kind), tiles, row[None], shape[0], torch.float32) for row in x])
+    assert torch.equal(out, alone)
+
+
+def test_tiles_in_column_order_are_not_read_as_chunks():
+    """Control for the chunked layout: the same 4-bit tiles column by column over all inputs (the
+    layout before chunks) give other products."""
+    codes, scales, lows = random_weights(48, 2816, 4)
+    x = torch.randn(3, 2816).bfloat16()
+    by_column = native._tiles4(codes, scales, lows).reshape(-1, native.TILE_BYTES[4]).contiguous()
+    reference = kernel_arithmetic(x, codes, scales, lows)
+    assert relative_error(native.group_matmul(4, native.pack4(codes, scales, lows), x, 48, torch.float32), reference) < 1e-5
+    assert relative_error(native.group_matmul(4, by_column, x, 48, torch.float32), reference) > 0.1
+
+
 def random_q6(out_features: int, in_features: int, seed: int = 0) -> GroupInt6:
     """Q6_K-shaped groups: codes -32..31, int8 sub-scales of either sign, fp16 super-scales."""
     gen = torch.Generator().manual_seed(seed)
@@ -140,7 +170,7 @@ def q6_arithmetic(x: torch.Tensor, weights: GroupInt6) -> torch.Tensor:
     return torch.einsum("roh,oh,rh->ro", dots, per_half, d)
 
 
-@pytest.mark.parametrize("shape", [(960, 1536), (576, 256), (16, 512)], ids=str)
+@pytest.mark.parametrize("shape", [(960, 1536), (576, 256), (16, 512), (48, 2816)], ids=str)
 def test_q6_products_compute_the_documented_arithmetic(shape):
     weights = random_q6(*shape)
     x = torch.randn(7, shape[1]).bfloat16()
@@ -175,8 +205,8 @@ def test_bf16_products_sum_the_exact_pair_products(shape):
 OTHER_BUILD = """
 import sys, torch
 from saguaro.models import native
-tiles, x = torch.load(sys.argv[1])
-out = [native.group_matmul(bits, t, x[:rows], t.shape[0] * native.TILE_OUT, torch.float32)
+tiles, x, out_features = torch.load(sys.argv[1])
+out = [native.group_matmul(bits, t, x[:rows], out_features, torch.float32)
        for bits, t in tiles.items() for rows in (1, 5)]
 torch.save((native.build(), out), sys.argv[2])
 """
@@ -195,7 +225,7 @@ def test_the_avx2_build_computes_what_the_avx512_build_computes(tmp_path):
                  gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K):  # records of whole blocks
         tiles[native.type_bits(kind)] = record_tiles(kind, 960, 768)
     x = torch.randn(5, 768).bfloat16()
-    torch.save((tiles, x), tmp_path / "in.pt")
+    torch.save((tiles, x, 960), tmp_path / "in.pt")
     env = dict(os.environ, SAGUARO_NATIVE_BUILD="avx2")
     result = subprocess.run([sys.executable, "-c", OTHER_BUILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                             env=env, capture_output=True, text=True, timeout=300)

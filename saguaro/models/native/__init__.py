@@ -134,6 +134,8 @@ def library() -> ctypes.CDLL | None:
                                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.saguaro_decoder_layers.restype = ctypes.c_int
+    lib.saguaro_chunk_groups.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.saguaro_chunk_groups.restype = ctypes.c_int64
     return lib
 
 
@@ -167,8 +169,21 @@ def _halves(values: torch.Tensor) -> torch.Tensor:
     return tiles.contiguous().view(torch.uint8)
 
 
+def in_chunks(bits: int, tiles: torch.Tensor) -> torch.Tensor:
+    """Tiles [columns, groups, bytes] -> [columns x groups, bytes] in group_matmul.c's order:
+    chunk by chunk of inputs, column by column within a chunk (saguaro_tile_offset)."""
+    columns, groups, tile_bytes = tiles.shape
+    chunk = library().saguaro_chunk_groups(bits, groups)
+    return torch.cat([tiles[:, g:g + chunk].reshape(-1, tile_bytes) for g in range(0, groups, chunk)])
+
+
 def pack4(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
     """codes [out, in] 0..15, scales and lows [out, in / 32] -> tiles of 320 bytes."""
+    return in_chunks(4, _tiles4(codes, scales, lows))
+
+
+def _tiles4(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
+    """pack4's tiles as [columns, groups, 320 bytes]."""
     out_features, in_features = codes.shape
     # [column, output j, group, half (inputs 0-15 / 16-31), chunk u, t] -> [column, group, u, j, t, half]
     c = codes.reshape(out_features // TILE_OUT, TILE_OUT, in_features // GROUP, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
@@ -182,7 +197,7 @@ def pack8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     # [column, output j, group, chunk k, t] -> [column, group, k, j, t], offset to unsigned
     c = codes.reshape(out_features // TILE_OUT, TILE_OUT, in_features // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
     chunks = (c.to(torch.int16) + 128).to(torch.uint8).reshape(*c.shape[:2], 512)
-    return torch.cat([chunks, _halves(scales)], dim=-1).contiguous()
+    return in_chunks(8, torch.cat([chunks, _halves(scales)], dim=-1))
 
 
 def pack16(weight: torch.Tensor) -> torch.Tensor:
@@ -190,8 +205,8 @@ def pack16(weight: torch.Tensor) -> torch.Tensor:
     out_features, in_features = weight.shape
     # [column, output j, group, chunk k, pair] -> [column, group, k, j, pair]
     w = weight.to(torch.bfloat16).reshape(out_features // TILE_OUT, TILE_OUT, in_features // GROUP, 16, 2)
-    return w.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).reshape(out_features // TILE_OUT,
-                                                                           in_features // GROUP, 1024)
+    return in_chunks(16, w.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).reshape(
+        out_features // TILE_OUT, in_features // GROUP, 1024))
 
 
 def pack5(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
@@ -199,12 +214,12 @@ def pack5(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torc
     bytes (group_matmul.c): pack4's record of the low four bits, with the top bits inserted."""
     out_features, in_features = codes.shape
     columns, groups = out_features // TILE_OUT, in_features // GROUP
-    low4 = pack4(codes & 15, scales, lows)
+    low4 = _tiles4(codes & 15, scales, lows)
     # [column, output j, group, half s, chunk u, t] -> [column, group, j, t, u, s]: bit 2u + s
     top = (codes >> 4).reshape(columns, TILE_OUT, groups, 2, 4, 4).permute(0, 2, 1, 5, 4, 3).to(torch.uint8)
     shifts = (2 * torch.arange(4)[:, None] + torch.arange(2)).to(torch.uint8)
     tops = (top << shifts).sum((4, 5), dtype=torch.uint8).reshape(columns, groups, 64)
-    return torch.cat([low4[..., :256], tops, low4[..., 256:]], dim=-1).contiguous()
+    return in_chunks(5, torch.cat([low4[..., :256], tops, low4[..., 256:]], dim=-1))
 
 
 def pack6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -221,8 +236,8 @@ def pack6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.T
     tops = (top << shifts).sum((3, 6), dtype=torch.uint8).reshape(columns, groups, 128)
     halves = scales.to(torch.int8).reshape(columns, TILE_OUT, groups, 2).permute(0, 2, 3, 1)
     per_group = d.repeat_interleave(256 // GROUP, dim=1)  # [out, groups]
-    return torch.cat([nibbles, tops, halves.contiguous().view(torch.uint8).reshape(columns, groups, 32),
-                      _halves(per_group)], dim=-1).contiguous()
+    return in_chunks(6, torch.cat([nibbles, tops, halves.contiguous().view(torch.uint8).reshape(columns, groups, 32),
+                                   _halves(per_group)], dim=-1))
 
 
 # ggml's type ids of the blocks repack.c reads, and the tiles' kind for each: its width or a kind
@@ -258,7 +273,7 @@ def repack(type_id: int, blocks, shape: tuple[int, int], order: torch.Tensor | N
     """GGUF blocks ([rows, bytes per row] uint8, e.g. a view of the mapped file) -> tiles (into
     `out` if given), output row r from the blocks' row order[r]. Threads over tile columns."""
     out_features, in_features = shape
-    size = (out_features // TILE_OUT, in_features // GROUP, TILE_BYTES[type_bits(type_id)])
+    size = (out_features // TILE_OUT * (in_features // GROUP), TILE_BYTES[type_bits(type_id)])  # in_chunks' shape
     if out is None:
         out, filled = weight_cache.take(_tag("repack", type_id, shape, order), math.prod(size))
         if filled:

@@ -54,11 +54,14 @@
  *  - 16-bit (bf16 weights: F16, BF16 and F32 files, safetensors), 1024 bytes: 16 chunks of 64
  *    bytes, bf16 pair j of chunk k holding output j's weights for inputs 2k and 2k + 1. The
  *    activations stay bf16 (no rounding to 8 bits): AVX512-BF16 pair dots into fp32 sums.
+ * The tiles of a product follow one another chunk by chunk of 64 groups of inputs, column by
+ * column within a chunk (saguaro_tile_offset; a product over at most 64 groups: column by column).
  * A projection may stack parts of different widths (a Q4_K_M file's v is Q6_K, its q and k
  * Q4_K): bits = 0 says the tiles begin with a 64-byte header, int64 parts and then (bits,
  * outputs) per part (at most MAX_PARTS), the parts' tiles following one after the other.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,6 +86,7 @@
 #define HEADER_BYTES 64
 #define BF16_CHAINS 2 /* fp32 sums per row in a bf16 product (their order fixed: batch-invariant) */
 #define MAX_PARTS 3
+#define CHUNK_GROUPS 64 /* see saguaro_chunk_groups */
 
 #ifdef SAGUARO_AVX2
 #define TARGET __attribute__((target("avx2,fma,f16c")))
@@ -105,6 +109,25 @@ int saguaro_cpu_supported(void) {
 int64_t saguaro_tile_bytes(int bits) {
     return bits == 4 ? 320 : bits == 5 ? 384 : bits == 6 ? 448 : bits == 8 ? 544 : bits == NL4 || bits == SYM4 ? 288
          : bits == K4 ? 296 : bits == K5 ? 360 : bits == K6 ? 420 : bits == K3 ? 228 : bits == K2 ? 168 : 1024;
+}
+
+/* Groups of inputs per chunk: a product over more inputs runs chunk by chunk, each thread
+ * taking its columns over one chunk before the next, and its tiles are laid out so (below).
+ * A row's quantized activations for a chunk (64 x 60 bytes) then stay in L1 while the column's
+ * tiles stream past; over a whole 3072- or 8192-input column they did not, and one row of K4
+ * records streamed 1.3x slower for it (tile_rows.py, 2 MB pages). bf16 tiles read the
+ * activations as they are: not chunked. */
+int64_t saguaro_chunk_groups(int bits, int64_t groups) {
+    return bits == 16 || groups <= CHUNK_GROUPS ? groups : CHUNK_GROUPS;
+}
+
+/* Where the tile of (column, group g) of a columns x groups product begins: the tiles of chunk
+ * 0 (every column's first CHUNK_GROUPS groups, column by column), then chunk 1's, and so on. A
+ * K-quant's record (8 groups from a multiple of 8) stays whole, chunks being multiples of 8. */
+int64_t saguaro_tile_offset(int bits, int64_t columns, int64_t groups, int64_t column, int64_t g) {
+    const int64_t chunk = saguaro_chunk_groups(bits, groups), start = g / chunk * chunk;
+    const int64_t count = groups - start < chunk ? groups - start : chunk;
+    return (start * columns + column * count + g - start) * saguaro_tile_bytes(bits);
 }
 
 /* The codes' layout a kind's groups share: K4's is the 4-bit record's, K5's the 5-bit one's, K6's
@@ -227,9 +250,12 @@ TARGET static inline __m512i quad_of(const int8_t *q) {
     return _mm512_set1_epi32(v);
 }
 
-/* R rows of quantized activations against one column of tiles (16 outputs): fp32 sums. */
+/* R rows of quantized activations (`stride` groups apart) against `groups` groups of one column
+ * of tiles (16 outputs): fp32 sums, added to those in sums_out where `resume` (the same sums in
+ * the same order as one call over all the groups). */
 TARGET static inline __attribute__((always_inline)) void tile_column(
-        int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t groups, float *sums_out) {
+        int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t stride, int64_t groups,
+        float *sums_out, int resume) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
     const int width = code_width(bits), blocked = is_record(bits);
@@ -240,7 +266,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
      * records gain as much on 2048 inputs as they lose on 8192 (0.95-1.07x), and keep it. */
     const int prefetched = R > 1 || !(bits == 4 || bits == SYM4 || bits == NL4 || bits == 8 || bits == K4 || bits == K5);
     __m512 acc[MAX_ROWS], block_d = _mm512_setzero_ps(), block_neg_dmin = _mm512_setzero_ps(); /* K-quants */
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) acc[r] = resume ? _mm512_loadu_ps(sums_out + r * TILE_OUT) : _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *record = tiles + (g / BLOCK_GROUPS) * BLOCK_GROUPS * tile_bytes; /* K-quants */
         const uint8_t *tile = blocked ? record_codes(bits, record, g) : tiles + g * tile_bytes;
@@ -297,7 +323,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                     second = _mm512_or_si512(second, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, 2), two), 4));
                 }
                 for (int r = 0; r < R; r++) {
-                    const int8_t *q = xq[r * groups + g].q;
+                    const int8_t *q = xq[r * stride + g].q;
                     dots[r][0] = _mm512_dpbusd_epi32(dots[r][0], first, quad_of(q + 4 * u));
                     dots[r][second_chain] = _mm512_dpbusd_epi32(dots[r][second_chain], second, quad_of(q + 16 + 4 * u));
                 }
@@ -307,7 +333,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                 __m512i w = _mm512_loadu_si512((const void *)(tile + 64 * k));
                 for (int r = 0; r < R; r++)
                     dots[r][k & second_chain] = _mm512_dpbusd_epi32(dots[r][k & second_chain], w,
-                                                                    quad_of(xq[r * groups + g].q + 4 * k));
+                                                                    quad_of(xq[r * stride + g].q + 4 * k));
             }
         }
         if (halves_apart) {
@@ -325,7 +351,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             const __m512 d = blocked ? block_d : halves(tile + 416);
             const int offset = code_offset(width);
             for (int r = 0; r < R; r++) {
-                const QuantizedGroup *x = xq + r * groups + g;
+                const QuantizedGroup *x = xq + r * stride + g;
                 __m512i first = _mm512_sub_epi32(dots[r][0], _mm512_set1_epi32(offset * x->half_qsum[0]));
                 __m512i second = _mm512_sub_epi32(dots[r][1], _mm512_set1_epi32(offset * x->half_qsum[1]));
                 __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(first, scale0), _mm512_mullo_epi32(second, scale1));
@@ -350,7 +376,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             if (bits == 4 || bits == 5) low = halves(params + 32);
         }
         for (int r = 0; r < R; r++) {
-            const QuantizedGroup *x = xq + r * groups + g;
+            const QuantizedGroup *x = xq + r * stride + g;
             __m512i dot = second_chain ? _mm512_add_epi32(dots[r][0], dots[r][1]) : dots[r][0];
             if (bits == 8 || bits == NL4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->qsum));  /* the codes' +128 */
             if (bits == SYM4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * x->qsum));
@@ -400,19 +426,36 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
     QuantizedGroup *xq = malloc(sizeof(QuantizedGroup) * (size_t)(rows * groups + 1));
     if (!xq) return -1;
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in_features, groups, xq + r * groups);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t column = 0; column < columns; column++) {
-        int64_t p = 0;
-        while (column >= part_end[p]) p++;
-        const int b = (int)part_bits[p];
-        const int64_t first_column = p ? part_end[p - 1] : 0;
-        const uint8_t *tiles_of_column = part_tiles[p] + (column - first_column) * groups * saguaro_tile_bytes(b);
-        for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        /* this thread's columns, chunk by chunk of inputs (each output's sums in the same order
+         * however the columns are shared out) */
+        const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t first = columns * t / n, last = columns * (t + 1) / n;
+        /* the sums carried from chunk to chunk: each column's where there are chunks, else one's */
+        const int64_t kept = groups > CHUNK_GROUPS ? last - first : 1, most = rows < MAX_ROWS ? rows : MAX_ROWS;
+        float *partial = malloc(sizeof(float) * (size_t)(kept * most * TILE_OUT + 1));
+        if (!partial) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t r0 = 0; partial && r0 < rows; r0 += MAX_ROWS)
+        for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS)
+        for (int64_t column = first; column < last; column++) {
+            int64_t p = 0;
+            while (column >= part_end[p]) p++;
+            const int b = (int)part_bits[p];
+            const int64_t first_column = p ? part_end[p - 1] : 0, chunk = saguaro_chunk_groups(b, groups);
+            if (g0 % chunk) continue; /* a kind not chunked: all its groups at g0 = 0 */
+            const int64_t count = groups - g0 < chunk ? groups - g0 : chunk;
+            const uint8_t *tiles_of_column = part_tiles[p] + saguaro_tile_offset(
+                b, part_end[p] - first_column, groups, column - first_column, g0);
             const int R = rows - r0 < MAX_ROWS ? (int)(rows - r0) : MAX_ROWS;
-            const QuantizedGroup *xr = xq + r0 * groups;
-            float result[MAX_ROWS * TILE_OUT];
+            const QuantizedGroup *xr = xq + r0 * groups + g0;
+            float *result = partial + (kept > 1 ? column - first : 0) * most * TILE_OUT;
             /* constant widths and row counts, so each case keeps its sums in registers */
-#define CASE(B, N) tile_column(B, N, tiles_of_column, xr, groups, result)
+#define CASE(B, N) tile_column(B, N, tiles_of_column, xr, groups, count, result, g0 > 0)
 #define ROWS_OF(B) \
             switch (R) { \
                 case 8: CASE(B, 8); break; case 7: CASE(B, 7); break; case 6: CASE(B, 6); break; \
@@ -426,10 +469,12 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
             else if (b == 4) { ROWS_OF(4) } else if (b == 5) { ROWS_OF(5) } else if (b == 6) { ROWS_OF(6) } else { ROWS_OF(8) }
 #undef ROWS_OF
 #undef CASE
-            for (int r = 0; r < R; r++)
-                store_sums(result + r * TILE_OUT, out, (r0 + r) * out_features + column * TILE_OUT, out_fp32);
+            if (g0 + count == groups)
+                for (int r = 0; r < R; r++)
+                    store_sums(result + r * TILE_OUT, out, (r0 + r) * out_features + column * TILE_OUT, out_fp32);
         }
+        free(partial);
     }
     free(xq);
-    return 0;
+    return failed ? -1 : 0;
 }

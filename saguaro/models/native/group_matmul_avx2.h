@@ -142,18 +142,22 @@ TARGET static inline __attribute__((always_inline)) void codes_of(int bits, cons
     }
 }
 
-/* R rows of quantized activations against one column of tiles (16 outputs): fp32 sums. Each
+/* R rows of quantized activations against one column of tiles (16 outputs): fp32 sums, as the
+ * AVX-512 kernel's tile_column takes them (`stride`, `resume`). Each
  * chunk's codes are widened once for both halves, and each row's activations broadcast once
  * for both. 4- and 5-bit codes add a chunk's two byte pair products in int16 (at most 2 x 2 x
  * 31 x 127 < 32768) before widening them: one vpmaddwd where there were two. */
 TARGET static inline __attribute__((always_inline)) void tile_column(
-        int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t groups, float *sums_out) {
+        int bits, int R, const uint8_t *tiles, const QuantizedGroup *xq, int64_t stride, int64_t groups,
+        float *sums_out, int resume) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
     const int width = code_width(bits), blocked = is_record(bits);
     const int halves_apart = width == 6 || width == 3 || width == 2;
     __m256 acc[MAX_ROWS][2], block_d[2], block_neg_dmin[2]; /* K-quants: per half */
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++)
+            acc[r][h] = resume ? _mm256_loadu_ps(sums_out + r * TILE_OUT + 8 * h) : _mm256_setzero_ps();
     block_d[0] = block_d[1] = block_neg_dmin[0] = block_neg_dmin[1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *record = tiles + (g / BLOCK_GROUPS) * BLOCK_GROUPS * tile_bytes; /* K-quants */
@@ -174,7 +178,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                 __m256i first[2], second[2];
                 for (int h = 0; h < 2; h++) codes_of(width, tile, u, h, first + h, second + h);
                 for (int r = 0; r < R; r++) {
-                    const int8_t *q = xq[r * groups + g].q;
+                    const int8_t *q = xq[r * stride + g].q;
                     const __m256i qa = quad_of(q + 4 * u), qb = quad_of(q + 16 + 4 * u);
                     for (int h = 0; h < 2; h++) {
                         if (bits == NL4) {
@@ -198,7 +202,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                 for (int h = 0; h < 2; h++)
                     w[h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(tile + 64 * k + 32 * h)), offset);
                 for (int r = 0; r < R; r++) {
-                    const __m256i qk = quad_of(xq[r * groups + g].q + 4 * k);
+                    const __m256i qk = quad_of(xq[r * stride + g].q + 4 * k);
                     for (int h = 0; h < 2; h++) dots[r][h][0] = dot_signed(dots[r][h][0], w[h], qk);
                 }
             }
@@ -220,7 +224,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                 }
                 const __m256 d = blocked ? block_d[h] : halves(tile + 416 + 16 * h);
                 for (int r = 0; r < R; r++) {
-                    const QuantizedGroup *x = xq + r * groups + g;
+                    const QuantizedGroup *x = xq + r * stride + g;
                     const __m256i first = _mm256_sub_epi32(dots[r][h][0], _mm256_set1_epi32(code_offset(width) * x->half_qsum[0]));
                     const __m256i second = _mm256_sub_epi32(dots[r][h][1], _mm256_set1_epi32(code_offset(width) * x->half_qsum[1]));
                     const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(first, scale0), _mm256_mullo_epi32(second, scale1));
@@ -245,7 +249,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                 if (bits == 4 || bits == 5) low = halves(params + 32);
             }
             for (int r = 0; r < R; r++) {
-                const QuantizedGroup *x = xq + r * groups + g;
+                const QuantizedGroup *x = xq + r * stride + g;
                 const __m256i dot = bits == SYM4 ? _mm256_sub_epi32(dots[r][h][0], _mm256_set1_epi32(8 * x->qsum))
                                                  : dots[r][h][0];
                 acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(x->d)), acc[r][h]);

@@ -365,6 +365,7 @@ TARGET static void write_tile(int bits, const Group *groups, uint8_t *tile) {
 }
 
 int64_t saguaro_tile_bytes(int bits);
+int64_t saguaro_tile_offset(int bits, int64_t columns, int64_t groups, int64_t column, int64_t g);
 
 /* tiles of rows x cols weights held as `type` blocks, `row_bytes` apart; output row r reads
  * row order[r] (order may be NULL). Returns 0, or -2 for a type or shape the tiles do not take. */
@@ -372,7 +373,7 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
                    const int64_t *order, uint8_t *tiles, int threads) {
     const int bits = saguaro_type_bits(type);
     if (!bits || rows % TILE_OUT || cols % block_weights(type)) return -2;
-    const int64_t groups = cols / GROUP, tile_bytes = saguaro_tile_bytes(bits);
+    const int64_t groups = cols / GROUP;
     if (type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t column = 0; column < rows / TILE_OUT; column++)
@@ -380,7 +381,7 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
                 for (int j = 0; j < TILE_OUT; j++) {
                     const int64_t r = column * TILE_OUT + j;
                     const uint8_t *b = data + (order ? order[r] : r) * row_bytes + block * block_bytes(type);
-                    uint8_t *record = tiles + (column * groups + block * 8) * tile_bytes;
+                    uint8_t *record = tiles + saguaro_tile_offset(bits, rows / TILE_OUT, groups, column, block * 8);
                     if (type == Q4_K) q4_k_block_record(b, record, j);
                     else if (type == Q5_K) q5_k_block_record(b, record, j);
                     else if (type == Q6_K) q6_k_block_record(b, record, j);
@@ -393,7 +394,7 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t column = 0; column < rows / TILE_OUT; column++) {
             for (int64_t g = 0; g < groups; g++) {
-                uint8_t *tile = tiles + (column * groups + g) * tile_bytes;
+                uint8_t *tile = tiles + saguaro_tile_offset(bits, rows / TILE_OUT, groups, column, g);
                 for (int j = 0; j < TILE_OUT; j++) {
                     const int64_t r = column * TILE_OUT + j;
                     uint8_t pairs[16];
@@ -415,7 +416,7 @@ TARGET int saguaro_repack(int type, const uint8_t *data, int64_t row_bytes, int6
                 const int64_t r = column * TILE_OUT + j;
                 decode_group(type, data + (order ? order[r] : r) * row_bytes, g, &decoded[j]);
             }
-            write_tile(bits, decoded, tiles + (column * groups + g) * tile_bytes);
+            write_tile(bits, decoded, tiles + saguaro_tile_offset(bits, rows / TILE_OUT, groups, column, g));
         }
     }
     return 0;
