@@ -4,7 +4,9 @@ GB/s as one row costs the same). Optionally against the kernels of another sourc
 older checkout's saguaro/models/native), the two builds taking turns in one process.
 
 The product is 8192 x 3072 by default (SmolLM3-3B's and Phi-4-mini's MLP widths), its tiles copied until
-they fill --megabytes and cycled, so that they come from memory as in a decode step. Codes
+they fill --megabytes and cycled, so that they come from memory as in a decode step; on 2 MB pages
+as a load places weights (weight_cache.fresh_buffer), or on 4 KB pages (--pages 2m,4k takes turns
+between the two). Codes
 are random; scales are 1.0 (fp16) and sub-scales 1, bf16 weights 1.0, so no denormals or NaNs
 slow the arithmetic. Kinds: the widths 4, 5, 6 and 8, iq4, and the GGUF types with kinds of
 their own (q4_0, q2_k, q3_k, q4_k, q5_k, q6_k), bf16.
@@ -13,18 +15,20 @@ their own (q4_0, q2_k, q3_k, q4_k, q5_k, q6_k), bf16.
     python benchmarks/tile_rows.py --bits q4_0,q4_k,q6_k,8,bf16 --rows 1
     python benchmarks/tile_rows.py --against ../old/saguaro/models/native
     python benchmarks/tile_rows.py --bits bf16 --shape 1024x2048 --megabytes 0   # in cache
+    python benchmarks/tile_rows.py --bits q4_0,q4_k,q6_k,8,bf16 --rows 1 --pages 2m,4k --shape 2048x8192
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import mmap
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from saguaro.models import native
+from saguaro.models import native, weight_cache
 
 WIDTHS = {"4": 4, "5": 5, "6": 6, "8": 8, "iq4": native.NL4, "q4_0": native.SYM4, "q4_k": native.K4, "q5_k": native.K5,
           "q6_k": native.K6, "q3_k": native.K3, "q2_k": native.K2, "bf16": 16}
@@ -56,6 +60,22 @@ def random_tiles(bits: int, out_features: int, in_features: int) -> torch.Tensor
     return tiles
 
 
+def copies_on(pages: str, tiles: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """`count` copies of the tiles, one after another on 2 MB pages ("2m") or 4 KB pages ("4k")."""
+    nbytes = count * tiles.numel()
+    if pages == "2m":
+        buffer = weight_cache.fresh_buffer(nbytes)
+    else:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            mapping.madvise(mmap.MADV_NOHUGEPAGE)
+        buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+    copies = [buffer[i * tiles.numel():(i + 1) * tiles.numel()] for i in range(count)]
+    for copy in copies:
+        copy.copy_(tiles.reshape(-1))
+    return copies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bits", default="4,8", help=f"tile kinds, of {','.join(WIDTHS)}")
@@ -65,12 +85,16 @@ def main() -> None:
     parser.add_argument("--shape", default="8192x3072", help="OUTxIN of the product")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--against", type=Path, help="another folder of the kernels' sources to compare")
+    parser.add_argument("--pages", default="2m", help="where the tiles lie: 2m, 4k, or both (2m,4k)")
     args = parser.parse_args()
     if native.build() is None:
         raise SystemExit("saguaro's kernels do not run on this machine")
-    libraries = {"this": load(Path(native.__file__).parent)}
+    builds = {"this": load(Path(native.__file__).parent)}
     if args.against:
-        libraries["against"] = load(args.against.resolve())
+        builds["against"] = load(args.against.resolve())
+    pages = args.pages.split(",")
+    libraries = {f"{build}, {page} pages" if len(pages) > 1 else build: (lib, page)
+                 for build, lib in builds.items() for page in pages}
     out_features, in_features = map(int, args.shape.split("x"))
     print(f"build {native.build()}, {args.threads} thread(s); GB/s of tiles read, medians of {args.repeats}")
     print("| tiles | rows | " + " | ".join(libraries) + " |")
@@ -78,19 +102,20 @@ def main() -> None:
     for name in args.bits.split(","):
         bits = WIDTHS[name]
         tiles = random_tiles(bits, out_features, in_features)
-        copies = [tiles.clone() for _ in range(max(1, args.megabytes * 2**20 // tiles.numel()))]
+        count = max(1, args.megabytes * 2**20 // tiles.numel())
+        copies = {page: copies_on(page, tiles, count) for page in pages}
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, in_features).to(torch.bfloat16)
             out = torch.empty(rows, out_features, dtype=torch.bfloat16)
             seconds: dict[str, list[float]] = {label: [] for label in libraries}
             for _ in range(args.repeats):
-                for label, lib in libraries.items():  # taking turns
+                for label, (lib, page) in libraries.items():  # taking turns
                     start = time.perf_counter()
-                    for copy in copies:
+                    for copy in copies[page]:
                         lib.saguaro_group_matmul(bits, copy.data_ptr(), x.data_ptr(), out.data_ptr(), rows,
                                                  in_features, out_features, 0, args.threads)
                     seconds[label].append(time.perf_counter() - start)
-            gigabytes = len(copies) * tiles.numel() / 1e9
+            gigabytes = count * tiles.numel() / 1e9
             rates = [f"{gigabytes / statistics.median(seconds[label]):.1f}" for label in libraries]
             print(f"| {name} | {rows} | " + " | ".join(rates) + " |", flush=True)
 
