@@ -3,6 +3,8 @@ the same script times two checkouts of saguaro against each other:
 
     for i in 1 2 3; do for tree in OLD NEW; do
         PYTHONPATH=$tree python benchmarks/decode_rate.py --method sd; done; done
+    SAGUARO_WEIGHT_CACHE=0 python benchmarks/decode_rate.py --model gguf_files/1.7b-Q4_K_M.gguf --threads 1 \
+        --prompts 3 --max-tokens 32   # a file of one's own, repacked at each load
 
 Prints one JSON line: the method, committed tokens / seconds inside generate (prefill
 included) over every prompt after a warm-up one, and what LLM.metrics() reports.
@@ -31,10 +33,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--model", help="a GGUF file or folder (default: the embedded model)")
+    parser.add_argument("--threads", type=int, help="torch's and saguaro's kernels' threads (default: all cores)")
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     texts = prompts(args.dataset, args.prompts + 1)
-    with LLM(method=args.method) as llm:
+    options = {"num_threads": args.threads} if args.threads else {}
+    with LLM(*([args.model] if args.model else []), method=args.method, **options) as llm:
         llm.generate([texts[0]], params, use_tqdm=False)  # warm-up, not counted
         tokens, seconds = 0, 0.0
         for text in texts[1:]:
