@@ -429,20 +429,27 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        /* this thread's columns, chunk by chunk of inputs (each output's sums in the same order
-         * however the columns are shared out) */
+        /* This thread's columns. One block of rows (a decode step, a verification) sweeps them
+         * chunk by chunk of inputs, as the tiles lie; more rows take each column's chunks in
+         * turn for every block of rows, so that a column's tiles, in cache, serve all the rows.
+         * Each output's sums are added in the same order either way, however the columns are
+         * shared out: batch-invariant. */
         const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t first = columns * t / n, last = columns * (t + 1) / n;
-        /* the sums carried from chunk to chunk: each column's where there are chunks, else one's */
-        const int64_t kept = groups > CHUNK_GROUPS ? last - first : 1, most = rows < MAX_ROWS ? rows : MAX_ROWS;
+        const int64_t chunks = (groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS, blocks = (rows + MAX_ROWS - 1) / MAX_ROWS;
+        const int chunks_first = blocks == 1;
+        /* the sums carried from chunk to chunk: each column's where the chunks come first, else one's */
+        const int64_t kept = chunks_first ? last - first : 1, most = rows < MAX_ROWS ? rows : MAX_ROWS;
         float *partial = malloc(sizeof(float) * (size_t)(kept * most * TILE_OUT + 1));
         if (!partial) {
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t r0 = 0; partial && r0 < rows; r0 += MAX_ROWS)
-        for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS)
-        for (int64_t column = first; column < last; column++) {
+        const int64_t steps = partial ? (last - first) * blocks * chunks : 0;
+        for (int64_t step = 0; step < steps; step++) {
+            const int64_t column = first + (chunks_first ? step % (last - first) : step / (blocks * chunks));
+            const int64_t g0 = (chunks_first ? step / (last - first) : step % chunks) * CHUNK_GROUPS;
+            const int64_t r0 = chunks_first ? 0 : step / chunks % blocks * MAX_ROWS;
             int64_t p = 0;
             while (column >= part_end[p]) p++;
             const int b = (int)part_bits[p];
@@ -453,7 +460,7 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
                 b, part_end[p] - first_column, groups, column - first_column, g0);
             const int R = rows - r0 < MAX_ROWS ? (int)(rows - r0) : MAX_ROWS;
             const QuantizedGroup *xr = xq + r0 * groups + g0;
-            float *result = partial + (kept > 1 ? column - first : 0) * most * TILE_OUT;
+            float *result = partial + (chunks_first ? column - first : 0) * most * TILE_OUT;
             /* constant widths and row counts, so each case keeps its sums in registers */
 #define CASE(B, N) tile_column(B, N, tiles_of_column, xr, groups, count, result, g0 > 0)
 #define ROWS_OF(B) \
