@@ -259,12 +259,13 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
     const int width = code_width(bits), blocked = is_record(bits);
-    /* Tiles are fetched PREFETCH_TILES ahead, but for one row of the 4- and 8-bit kinds (and
-     * of K4 and K5 records), which the hardware's prefetcher streams faster alone (tile_rows.py,
+    /* Tiles are fetched PREFETCH_TILES ahead, but for one row of the 4- and 8-bit kinds and of
+     * the K records but K6, which the hardware's prefetcher streams faster alone (tile_rows.py,
      * one core, from memory: 1.1-1.2x at one row; left alone at six rows, 0.7x). From 2 MB
-     * pages, one row of K4 and K5 records streams 1.07-1.19x as fast left alone; K6, K3 and K2
-     * records gain as much on 2048 inputs as they lose on 8192 (0.95-1.07x), and keep it. */
-    const int prefetched = R > 1 || !(bits == 4 || bits == SYM4 || bits == NL4 || bits == 8 || bits == K4 || bits == K5);
+     * pages, one row of K4 and K5 records streams 1.07-1.19x as fast left alone, K3 and K2
+     * records (products in chunks) 1.02-1.10x; K6 records 0.95-0.99x, and keep it. */
+    const int prefetched = R > 1 || !(bits == 4 || bits == SYM4 || bits == NL4 || bits == 8 || bits == K4 || bits == K5
+                                      || bits == K3 || bits == K2);
     __m512 acc[MAX_ROWS], block_d = _mm512_setzero_ps(), block_neg_dmin = _mm512_setzero_ps(); /* K-quants */
     for (int r = 0; r < R; r++) acc[r] = resume ? _mm512_loadu_ps(sums_out + r * TILE_OUT) : _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
