@@ -228,15 +228,14 @@ def pack6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.T
     out_features, in_features = codes.shape
     columns, groups = out_features // TILE_OUT, in_features // GROUP
     c = (codes.to(torch.int16) + 32).to(torch.uint8)
-    # [column, output j, group, half s, chunk u, t] -> [column, group, u, j, t, s]
-    c = c.reshape(columns, TILE_OUT, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
-    nibbles = ((c[..., 0] & 15) | ((c[..., 1] & 15) << 4)).reshape(columns, groups, 256)
-    top = (c >> 4).reshape(columns, groups, 2, 2, TILE_OUT, 4, 2)  # [.., h, v, j, t, s]
-    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)[:, None, None, :]  # bit 4v + 2s
-    tops = (top << shifts).sum((3, 6), dtype=torch.uint8).reshape(columns, groups, 128)
+    # [column, output j, group, half s, triple h, v, t] -> [column, group, h, s, v, j, t]: input 16s + 8h + 4v + t
+    c = c.reshape(columns, TILE_OUT, groups, 2, 2, 2, 4).permute(0, 2, 4, 3, 5, 1, 6)
+    fourth = c[:, :, :, 1, 1]  # its two bits atop each of the triple's chunks
+    triples = torch.stack([c[:, :, :, 0, 0] | (fourth & 3) << 6, c[:, :, :, 0, 1] | (fourth >> 2 & 3) << 6,
+                           c[:, :, :, 1, 0] | (fourth >> 4) << 6], dim=3).reshape(columns, groups, 384)
     halves = scales.to(torch.int8).reshape(columns, TILE_OUT, groups, 2).permute(0, 2, 3, 1)
     per_group = d.repeat_interleave(256 // GROUP, dim=1)  # [out, groups]
-    return in_chunks(6, torch.cat([nibbles, tops, halves.contiguous().view(torch.uint8).reshape(columns, groups, 32),
+    return in_chunks(6, torch.cat([triples, halves.contiguous().view(torch.uint8).reshape(columns, groups, 32),
                                    _halves(per_group)], dim=-1))
 
 

@@ -17,9 +17,14 @@
  *  - 5-bit (Q5_0, Q5_1, Q5_K), 384 bytes: the 4-bit record's chunks hold the codes' (0..31) low
  *    four bits; then 64 bytes of their top bits, byte 4j + t holding at bit 2u + s that of chunk
  *    u's half s; then 16 fp16 scales and 16 fp16 lows, as in the 4-bit record.
- *  - 6-bit (Q6_K), 448 bytes: the 4-bit record's chunks hold the codes' (code + 32, so 0..63) low
- *    four bits; then 2 chunks of 64 bytes with their top two bits, byte 4j + t of chunk h holding
- *    at bit 4v + 2s those of chunk u = 2h + v's half s (s = 0: low nibble); then 32 int8 scales,
+ *  - 6-bit (Q6_K), 448 bytes: the codes (code + 32, so 0..63) in two triples of 64-byte chunks,
+ *    triple h for inputs 8h .. 8h + 7 of each half: byte 4j + t of its chunks X, Y, Z holds in
+ *    bits 0-5 output j's code for input 8h + t, 8h + 4 + t and 16 + 8h + t, and in bits 6-7 two
+ *    bits of its code for input 16 + 8h + 4 + t (X its bits 0-1, Y 2-3, Z 4-5): three codes
+ *    cost one AND each and the fourth six instructions, where low nibbles and a plane of top
+ *    bits took about five a code (tile_rows.py, one core of a Xeon with AMX: Q6_K records from
+ *    memory 1.08x at one row, in cache 1.22x at four rows; 6-bit tiles 1.28x, one row from
+ *    memory); then 32 int8 scales,
  *    one per output and half group (16 inputs): outputs 0-15 for inputs 0-15, then for 16-31;
  *    then 16 fp16 super-scales d. w = (code - 32) * scale * d. The two halves keep separate
  *    integer sums, combined in integers: d * x.d * sum_s scale_s * (dot_s - 32 qsum_s).
@@ -31,7 +36,7 @@
  *    products exact in fp32; K5 (Q5_K), 2880 bytes: K4's parameters, then 8 x 320 code bytes (from
  *    K5_CODES) as the 5-bit record holds them (their low four bits, then the top bits): 5.625 bits
  *    a weight (the file's 5.5, the 5-bit record's 6); K6, 3360 bytes: 16 fp16 d, 8 x 32 int8 sub-scales (as the 6-bit
- *    record's), 8 x 384 code bytes (from K6_CODES). The files' own densities (4.625 and 6.56
+ *    record's), 8 x 384 code bytes (from K6_CODES) as the 6-bit record holds them. The files' own densities (4.625 and 6.56
  *    bits a weight) where per-group records took 5 and 7.
  *  - K3 records (Q3_K), 1824 bytes: 16 fp16 d, 8 x 32 int8 sub-scales (as K6's), then 8 groups of
  *    192 code bytes (from K3_CODES), each code c = 0..7 standing for c - 4 (the file's two low
@@ -87,6 +92,7 @@
 #define BF16_CHAINS 2 /* fp32 sums per row in a bf16 product (their order fixed: batch-invariant) */
 #define MAX_PARTS 3
 #define CHUNK_GROUPS 64 /* see saguaro_chunk_groups */
+#define SELECT 0xE4 /* vpternlog's a, b, c -> c ? a : b, bit by bit */
 
 #ifdef SAGUARO_AVX2
 #define TARGET __attribute__((target("avx2,fma,f16c")))
@@ -287,7 +293,22 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         if (width != 8) {
             for (int u = 0; u < 4; u++) {
                 __m512i first, second;
-                if (width <= 3) { /* K2, K3: two-bit planes, and K3's third bit */
+                if (width == 6) { /* triple u / 2: codes for inputs 4u + t and 16 + 4u + t */
+                    const uint8_t *triple = tile + 192 * (u >> 1);
+                    const __m512i six = _mm512_set1_epi8(0x3F);
+                    const __m512i x = _mm512_loadu_si512((const void *)triple);
+                    const __m512i y = _mm512_loadu_si512((const void *)(triple + 64));
+                    const __m512i z = _mm512_loadu_si512((const void *)(triple + 128));
+                    first = _mm512_and_si512(u & 1 ? y : x, six);
+                    if (u & 1) { /* the fourth code: bits 6-7 of x, y and z, moved to 0-1, 2-3 and 4-5 */
+                        const __m512i low = _mm512_ternarylogic_epi32(_mm512_srli_epi16(x, 6), _mm512_srli_epi16(y, 4),
+                                                                      _mm512_set1_epi8(0x03), SELECT);
+                        second = _mm512_and_si512(_mm512_ternarylogic_epi32(low, _mm512_srli_epi16(z, 2),
+                                                                            _mm512_set1_epi8(0x0F), SELECT), six);
+                    } else {
+                        second = _mm512_and_si512(z, six);
+                    }
+                } else if (width <= 3) { /* K2, K3: two-bit planes, and K3's third bit */
                     const __m512i two = _mm512_set1_epi8(0x03);
                     first = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)tile), 2 * u), two);
                     second = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)(tile + 64)), 2 * u), two);
@@ -315,13 +336,6 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
                     __m512i top = _mm512_srli_epi16(_mm512_loadu_si512((const void *)(tile + 256)), 2 * u);
                     first = _mm512_or_si512(first, _mm512_slli_epi16(_mm512_and_si512(top, one), 4));
                     second = _mm512_or_si512(second, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, 1), one), 4));
-                }
-                if (width == 6) {
-                    const __m512i two = _mm512_set1_epi8(0x03);
-                    __m512i top = _mm512_loadu_si512((const void *)(tile + 256 + 64 * (u >> 1)));
-                    top = _mm512_srli_epi16(top, 4 * (u & 1));
-                    first = _mm512_or_si512(first, _mm512_slli_epi16(_mm512_and_si512(top, two), 4));
-                    second = _mm512_or_si512(second, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, 2), two), 4));
                 }
                 for (int r = 0; r < R; r++) {
                     const int8_t *q = xq[r * stride + g].q;

@@ -117,6 +117,19 @@ TARGET static inline __attribute__((always_inline)) void codes_of(int bits, cons
         }
         return;
     }
+    if (bits == 6) { /* triple u / 2's chunks; the fourth code from their top bits (group_matmul.c) */
+        const uint8_t *triple = tile + 192 * (u >> 1) + 32 * h;
+        const __m256i six = _mm256_set1_epi8(0x3F), tops = _mm256_set1_epi8((char)0xC0);
+        const __m256i x = _mm256_loadu_si256((const __m256i *)triple);
+        const __m256i y = _mm256_loadu_si256((const __m256i *)(triple + 64));
+        const __m256i z = _mm256_loadu_si256((const __m256i *)(triple + 128));
+        *first = _mm256_and_si256(u & 1 ? y : x, six);
+        *second = u & 1 ? _mm256_or_si256(_mm256_or_si256(_mm256_srli_epi16(_mm256_and_si256(x, tops), 6),
+                                                           _mm256_srli_epi16(_mm256_and_si256(y, tops), 4)),
+                                          _mm256_srli_epi16(_mm256_and_si256(z, tops), 2))
+                        : _mm256_and_si256(z, six);
+        return;
+    }
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     const __m256i w = _mm256_loadu_si256((const __m256i *)(tile + 64 * u + 32 * h));
     *first = _mm256_and_si256(w, nibble);
@@ -132,13 +145,6 @@ TARGET static inline __attribute__((always_inline)) void codes_of(int bits, cons
         const __m256i top = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(tile + 256 + 32 * h)), 2 * u);
         *first = _mm256_or_si256(*first, _mm256_slli_epi16(_mm256_and_si256(top, one), 4));
         *second = _mm256_or_si256(*second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 1), one), 4));
-    }
-    if (bits == 6) {
-        const __m256i two = _mm256_set1_epi8(0x03);
-        const __m256i top = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(tile + 256 + 64 * (u >> 1) + 32 * h)),
-                                              4 * (u & 1));
-        *first = _mm256_or_si256(*first, _mm256_slli_epi16(_mm256_and_si256(top, two), 4));
-        *second = _mm256_or_si256(*second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2), two), 4));
     }
 }
 

@@ -245,25 +245,31 @@ TARGET static void q5_k_block_record(const uint8_t *b, uint8_t *record, int j) {
     memcpy(record + 32 + 2 * j, b + 2, 2);
 }
 
-/* Q6_K: row j of a 256-weight block's K6 record: d, the sub-scales, then each group's codes as
- * a 6-bit tile holds them (the low nibbles paired as Q4_K's are, the top two bits four to a
- * byte). */
-TARGET static void q6_k_block_record(const uint8_t *b, uint8_t *record, int j) {
-    for (int sb = 0; sb < 8; sb++) {
-        uint8_t *tile = record + K6_CODES + 384 * sb;
-        const int n = sb / 4, i = sb % 4;
-        const uint8_t *qh = b + 128 + 32 * n;
-        put_nibble_pairs(b + 64 * n + (i & 1 ? 32 : 0), i >= 2, tile, j);
-        for (int h = 0; h < 2; h++) { /* byte t of the word: the tops of codes 8h + 4v + t and 16 + 8h + 4v + t */
-            uint32_t top = 0;
-            for (int v = 0; v < 2; v++)
-                for (int s = 0; s < 2; s++) {
-                    uint32_t four;
-                    memcpy(&four, qh + 16 * s + 8 * h + 4 * v, 4);
-                    top |= ((four >> (2 * i)) & 0x03030303u) << (4 * v + 2 * s);
-                }
-            memcpy(tile + 256 + 64 * h + 4 * j, &top, 4);
+/* Row j's 6-bit codes (0..63, inputs 0-31 of a group) as a 6-bit tile holds them (group_matmul.c):
+ * in two triples of chunks, the codes of inputs 8h + t, 8h + 4 + t and 16 + 8h + t in bits 0-5
+ * of triple h's three bytes 4j + t, and two bits each of the code of input 16 + 8h + 4 + t on top. */
+static void put_six_bit_codes(const uint8_t *code, uint8_t *tile, int j) {
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 4; t++) {
+            const int fourth = code[16 + 8 * h + 4 + t];
+            uint8_t *at = tile + 192 * h + 4 * j + t;
+            at[0] = (uint8_t)(code[8 * h + t] | (fourth & 3) << 6);
+            at[64] = (uint8_t)(code[8 * h + 4 + t] | ((fourth >> 2) & 3) << 6);
+            at[128] = (uint8_t)(code[16 + 8 * h + t] | (fourth >> 4) << 6);
         }
+}
+
+/* Q6_K: row j of a 256-weight block's K6 record: d, the sub-scales, then each group's codes as
+ * a 6-bit tile holds them. Group sb's input l is the block's weight 32 sb + l: its low nibble
+ * from ql (the low or high halves of bytes 64n .. 64n + 63), its top two bits at bit 2i of qh. */
+static void q6_k_block_record(const uint8_t *b, uint8_t *record, int j) {
+    for (int sb = 0; sb < 8; sb++) {
+        const int n = sb / 4, i = sb % 4;
+        const uint8_t *ql = b + 64 * n + (i & 1 ? 32 : 0), *qh = b + 128 + 32 * n;
+        uint8_t code[GROUP];
+        for (int l = 0; l < GROUP; l++)
+            code[l] = (uint8_t)(((ql[l] >> (i >= 2 ? 4 : 0)) & 15) | ((qh[l] >> (2 * i)) & 3) << 4);
+        put_six_bit_codes(code, record + K6_CODES + 384 * sb, j);
         record[32 + 32 * sb + j] = b[192 + 2 * sb];
         record[32 + 32 * sb + 16 + j] = b[192 + 2 * sb + 1];
     }
@@ -325,6 +331,19 @@ TARGET static void write_tile(int bits, const Group *groups, uint8_t *tile) {
         for (int j = 0; j < TILE_OUT; j++) put_half(tile + 512 + 2 * j, groups[j].scale);
         return;
     }
+    if (bits == 6) {
+        for (int j = 0; j < TILE_OUT; j++) {
+            uint8_t code[GROUP];
+            for (int i = 0; i < GROUP; i++) code[i] = (uint8_t)groups[j].code[i];
+            put_six_bit_codes(code, tile, j);
+        }
+        for (int j = 0; j < TILE_OUT; j++) {
+            tile[384 + j] = (uint8_t)groups[j].sub[0];
+            tile[400 + j] = (uint8_t)groups[j].sub[1];
+            put_half(tile + 416 + 2 * j, groups[j].d);
+        }
+        return;
+    }
     for (int u = 0; u < 4; u++)
         for (int j = 0; j < TILE_OUT; j++)
             for (int t = 0; t < 4; t++) {
@@ -339,23 +358,6 @@ TARGET static void write_tile(int bits, const Group *groups, uint8_t *tile) {
                     for (int s = 0; s < 2; s++) top |= (uint8_t)(((groups[j].code[16 * s + 4 * u + t] >> 4) & 1) << (2 * u + s));
                 tile[256 + 4 * j + t] = top;
             }
-    }
-    if (bits == 6) {
-        for (int h = 0; h < 2; h++)
-            for (int j = 0; j < TILE_OUT; j++)
-                for (int t = 0; t < 4; t++) {
-                    uint8_t top = 0;
-                    for (int v = 0; v < 2; v++)
-                        for (int s = 0; s < 2; s++)
-                            top |= (uint8_t)(((groups[j].code[16 * s + 4 * (2 * h + v) + t] >> 4) & 3) << (4 * v + 2 * s));
-                    tile[256 + 64 * h + 4 * j + t] = top;
-                }
-        for (int j = 0; j < TILE_OUT; j++) {
-            tile[384 + j] = (uint8_t)groups[j].sub[0];
-            tile[400 + j] = (uint8_t)groups[j].sub[1];
-            put_half(tile + 416 + 2 * j, groups[j].d);
-        }
-        return;
     }
     const int params = bits == 5 ? 320 : 256;
     for (int j = 0; j < TILE_OUT; j++) {
