@@ -74,7 +74,8 @@
 #define TILE_OUT 16
 #define GROUP 32
 #define MAX_ROWS 8       /* rows sharing one pass over the codes (a verification of K + 1 <= 8 tokens: one) */
-#define PREFETCH_TILES 8 /* how far ahead the codes are fetched while the current tile computes */
+#define PREFETCH_TILES 8 /* how far ahead the codes are fetched while the current tile computes (AMD) */
+#define PREFETCH_BYTES 4096 /* and on other CPUs, into L2: see streams_alone */
 #define NL4 104 /* the IQ4 tile kind (not a width: its codes are 4 bits) */
 #define SYM4 100 /* the Q4_0 tile kind: 4-bit codes offset by 8, no lows */
 #define K4 124 /* the Q4_K record kind */
@@ -256,6 +257,20 @@ TARGET static inline __m512i quad_of(const int8_t *q) {
     return _mm512_set1_epi32(v);
 }
 
+/* Whether this CPU streams one row of tiles faster without software prefetches (tile_column):
+ * AMD's cores do. One core of a Xeon with AMX does not: there every kind is fetched
+ * PREFETCH_BYTES ahead into L2 (tile_rows.py, 2 MB pages, from memory, against no prefetch at
+ * one row and PREFETCH_TILES into L1 at more: one row Q4_K 1.15x, Q5_K 1.24x, Q6_K 1.07x, Q3_K
+ * and Q2_K 1.5x, the 4- and 8-bit kinds 1.03-1.06x; two threads, one row, 1.05-1.25x; four
+ * rows 0.91-1.18x). Into L1, 2 KB ahead did less than 4 KB into L2 (0.85-0.93x); 4, 8 and
+ * 16 KB into L2 did alike. */
+static int streams_alone;
+
+__attribute__((constructor)) static void choose_prefetching(void) {
+    __builtin_cpu_init();
+    streams_alone = __builtin_cpu_is("amd");
+}
+
 /* R rows of quantized activations (`stride` groups apart) against `groups` groups of one column
  * of tiles (16 outputs): fp32 sums, added to those in sums_out where `resume` (the same sums in
  * the same order as one call over all the groups). */
@@ -266,12 +281,14 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
     const int width = code_width(bits), blocked = is_record(bits);
     /* Tiles are fetched PREFETCH_TILES ahead, but for one row of the 4- and 8-bit kinds and of
-     * the K records but K6, which the hardware's prefetcher streams faster alone (tile_rows.py,
-     * one core, from memory: 1.1-1.2x at one row; left alone at six rows, 0.7x). From 2 MB
-     * pages, one row of K4 and K5 records streams 1.07-1.19x as fast left alone, K3 and K2
-     * records (products in chunks) 1.02-1.10x; K6 records 0.95-0.99x, and keep it. */
-    const int prefetched = R > 1 || !(bits == 4 || bits == SYM4 || bits == NL4 || bits == 8 || bits == K4 || bits == K5
-                                      || bits == K3 || bits == K2);
+     * the K records but K6 on AMD's cores, which stream them faster on the hardware's prefetcher
+     * alone (tile_rows.py, one core of a Zen 4 EPYC, from memory: 1.1-1.2x at one row; left alone
+     * at six rows, 0.7x; from 2 MB pages, K4 and K5 records 1.07-1.19x, K3 and K2 1.02-1.10x, K6
+     * 0.95-0.99x). One core of a Xeon (with AMX) streams them faster fetched ahead: see
+     * streams_alone. */
+    const int64_t ahead = streams_alone ? PREFETCH_TILES * tile_bytes : PREFETCH_BYTES;
+    const int prefetched = R > 1 || !streams_alone || !(bits == 4 || bits == SYM4 || bits == NL4 || bits == 8
+                                                        || bits == K4 || bits == K5 || bits == K3 || bits == K2);
     __m512 acc[MAX_ROWS], block_d = _mm512_setzero_ps(), block_neg_dmin = _mm512_setzero_ps(); /* K-quants */
     for (int r = 0; r < R; r++) acc[r] = resume ? _mm512_loadu_ps(sums_out + r * TILE_OUT) : _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -282,8 +299,11 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
             if (has_mins(bits)) block_neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(record + 32));
         }
         if (prefetched)
-            for (int64_t line = 0; line < tile_bytes; line += 64)
-                _mm_prefetch((const char *)tiles + (g + PREFETCH_TILES) * tile_bytes + line, _MM_HINT_T0);
+            for (int64_t line = 0; line < tile_bytes; line += 64) {
+                const char *next = (const char *)tiles + g * tile_bytes + ahead + line;
+                if (streams_alone) _mm_prefetch(next, _MM_HINT_T0);
+                else _mm_prefetch(next, _MM_HINT_T1);
+            }
         /* Integer sums, exact in any order: two chains per row where few rows leave the
          * multiplier idle, one where eight rows would run out of registers. */
         const int halves_apart = width == 6 || width == 3 || width == 2; /* one chain per half, scaled apart */
