@@ -178,6 +178,21 @@ int saguaro_bf16_supported(void) {
     return saguaro_cpu_supported() && __builtin_cpu_supports("avx512bf16");
 }
 
+/* Whether this CPU streams one row of tiles faster without software prefetches (tile_column):
+ * AMD's cores do. One core of a Xeon with AMX does not: there every kind is fetched
+ * PREFETCH_BYTES ahead into L2 (tile_rows.py, 2 MB pages, from memory, against no prefetch at
+ * one row and PREFETCH_TILES into L1 at more: one row Q4_K 1.15x, Q5_K 1.24x, Q6_K 1.07x, Q3_K
+ * and Q2_K 1.5x, the 4- and 8-bit kinds 1.03-1.06x; two threads, one row, 1.05-1.25x; four
+ * rows 0.91-1.18x). Into L1, 2 KB ahead did less than 4 KB into L2 (0.85-0.93x); 4, 8 and
+ * 16 KB into L2 did alike. One row of bf16 tiles too: the products of a 135M decode step in
+ * turn, two threads, 1.06x (one thread 0.98x). */
+static int streams_alone;
+
+__attribute__((constructor)) static void choose_prefetching(void) {
+    __builtin_cpu_init();
+    streams_alone = __builtin_cpu_is("amd");
+}
+
 /* R rows of bf16 activations against one column of 16-bit tiles: fp32 sums, pair by pair in
  * input order (the same for any number of rows). Its own target: only CPUs with AVX512-BF16
  * reach it (saguaro_bf16_supported). */
@@ -190,9 +205,12 @@ __attribute__((target("avx512f,avx512bf16"))) static inline __attribute__((alway
         for (int c = 0; c < BF16_CHAINS; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t g = 0; g < in_features / GROUP; g++) {
         const uint8_t *tile = tiles + g * 1024;
-        if (R > 1) /* one row streams as fast on the hardware's prefetcher alone */
+        if (R > 1) /* one row streams as fast on AMD's hardware prefetcher alone; elsewhere into L2 */
             for (int line = 0; line < 1024; line += 64)
                 _mm_prefetch((const char *)tile + 4 * 1024 + line, _MM_HINT_T0);
+        else if (!streams_alone)
+            for (int line = 0; line < 1024; line += 64)
+                _mm_prefetch((const char *)tile + 4 * 1024 + line, _MM_HINT_T1);
         for (int k = 0; k < 16; k += BF16_CHAINS)
             for (int c = 0; c < BF16_CHAINS; c++) {
                 const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(tile + 64 * (k + c)));
@@ -255,20 +273,6 @@ TARGET static inline __m512i quad_of(const int8_t *q) {
     int32_t v;
     memcpy(&v, q, 4);
     return _mm512_set1_epi32(v);
-}
-
-/* Whether this CPU streams one row of tiles faster without software prefetches (tile_column):
- * AMD's cores do. One core of a Xeon with AMX does not: there every kind is fetched
- * PREFETCH_BYTES ahead into L2 (tile_rows.py, 2 MB pages, from memory, against no prefetch at
- * one row and PREFETCH_TILES into L1 at more: one row Q4_K 1.15x, Q5_K 1.24x, Q6_K 1.07x, Q3_K
- * and Q2_K 1.5x, the 4- and 8-bit kinds 1.03-1.06x; two threads, one row, 1.05-1.25x; four
- * rows 0.91-1.18x). Into L1, 2 KB ahead did less than 4 KB into L2 (0.85-0.93x); 4, 8 and
- * 16 KB into L2 did alike. */
-static int streams_alone;
-
-__attribute__((constructor)) static void choose_prefetching(void) {
-    __builtin_cpu_init();
-    streams_alone = __builtin_cpu_is("amd");
 }
 
 /* R rows of quantized activations (`stride` groups apart) against `groups` groups of one column
