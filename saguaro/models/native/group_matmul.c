@@ -20,12 +20,12 @@
  *  - 6-bit (Q6_K), 448 bytes: the codes (code + 32, so 0..63) in two triples of 64-byte chunks,
  *    triple h for inputs 8h .. 8h + 7 of each half: byte 4j + t of its chunks X, Y, Z holds in
  *    bits 0-5 output j's code for input 8h + t, 8h + 4 + t and 16 + 8h + t, and in bits 6-7 two
- *    bits of its code for input 16 + 8h + 4 + t (X its bits 0-1, Y 2-3, Z 4-5): three codes
- *    cost one AND each and the fourth six instructions, where low nibbles and a plane of top
- *    bits took about five a code (tile_rows.py, one core of a Xeon with AMX: Q6_K records from
- *    memory 1.08x at one row, in cache 1.22x at four rows; 6-bit tiles 1.28x, one row from
- *    memory); then 32 int8 scales,
- *    one per output and half group (16 inputs): outputs 0-15 for inputs 0-15, then for 16-31;
+ *    bits of its code for input 16 + 8h + 4 + t (X its bits 0-1, Y 2-3, Z 4-5): three chunks of
+ *    codes cost one AND each and the fourth six instructions, where low nibbles and a plane of
+ *    top bits took about five a chunk (tile_rows.py, one core of a Xeon with AMX: Q6_K records
+ *    from memory 1.08x at one row, in cache 1.22x at four rows; 6-bit tiles 1.28x, one row from
+ *    memory); then 32 int8 scales, one per output and half group (16 inputs): outputs 0-15 for
+ *    inputs 0-15, then for 16-31;
  *    then 16 fp16 super-scales d. w = (code - 32) * scale * d. The two halves keep separate
  *    integer sums, combined in integers: d * x.d * sum_s scale_s * (dot_s - 32 qsum_s).
  *  - K-quant records (Q4_K: kind K4; Q6_K: kind K6) hold a 256-input block of 16 outputs: what
