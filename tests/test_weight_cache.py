@@ -150,6 +150,21 @@ def test_fresh_buffers_lie_on_2mb_pages(asked, monkeypatch):
     assert int(buffer[-1]) == 7
 
 
+@pytest.mark.skipif(thp_mode() != "madvise", reason="only where 2 MB pages are asked for per mapping does asking show")
+def test_small_fresh_buffers_share_2mb_pages():
+    """A small model's projections (under 2 MB each) lie on 2 MB pages too, side by side in a
+    shared mapping: each its own bytes, aligned, none overlapping (from the heap, they got none)."""
+    sizes = [663_552, 1_105_920, 3 * 2**20 + 5, 64, 1_769_472] * 4
+    buffers = [weight_cache.fresh_buffer(n) for n in sizes]
+    for i, buffer in enumerate(buffers):
+        assert buffer.numel() == sizes[i] and buffer.data_ptr() % weight_cache.ALIGNMENT == 0
+        buffer.fill_(i)
+    assert [int(b[0]) == i == int(b[-1]) for i, b in enumerate(buffers)] == [True] * len(buffers)
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel()) for b in buffers)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    assert huge_pages_of(buffers[1].data_ptr()) >= 2 * 1024
+
+
 @pytest.mark.parametrize("most", [None, 100_003])
 def test_an_entry_is_written_whole_2mb_blocks_at_a_time(tmp_path, monkeypatch, most):
     """Pieces of any sizes reach the file byte for byte, one call per 2 MB block of the file (so

@@ -18,6 +18,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 ALIGNMENT = 64
 MIN_BYTES = 32 * 2**20  # smaller models load fast enough without a copy on disk
 HUGE_PAGE = 2 * 2**20
+SHARED_BLOCK = 32 * 2**20  # fresh_buffer's mappings for small buffers
 _current: contextvars.ContextVar[WeightCache | None] = contextvars.ContextVar("weight_cache", default=None)
 
 
@@ -116,16 +118,48 @@ def fresh_buffer(nbytes: int) -> torch.Tensor:
     """nbytes of memory (not necessarily zeroed) on 2 MB pages where the kernel grants them
     (transparent huge pages, asked for per mapping): one core streams tiles from them 1.14-1.44x
     as fast as from 4 KB pages (`tile_rows.py --pages 2m,4k`: no page walk each 4 KB, the
-    prefetchers not stopping at each page's end). Only the whole 2 MB blocks are asked for, so
-    the last partial block costs no more than it holds."""
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    prefetchers not stopping at each page's end). Buffers under SHARED_BLOCK / 4 (a small
+    model's projections) are carved one after another out of a shared mapping, as alone they
+    would not fill one 2 MB page: a 135M model's bf16 products, two threads, read 1.25-1.65x as
+    fast from them as from the heap's 4 KB pages."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes >= SHARED_BLOCK // 4:
+        return huge_mapping(nbytes)
+    return _shared.carve(nbytes)
+
+
+def huge_mapping(nbytes: int) -> torch.Tensor:
+    """A mapping of its own, its whole 2 MB blocks asked for as 2 MB pages (the last partial
+    block costs no more than it holds)."""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while any view lives
     start = -whole.data_ptr() % HUGE_PAGE  # untouched, the skipped head takes no memory
-    with contextlib.suppress(OSError):  # a kernel without THP: 4 KB pages as before
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    if nbytes >= HUGE_PAGE:
+        with contextlib.suppress(OSError):  # a kernel without THP: 4 KB pages as before
+            mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
     return whole[start:start + nbytes]
+
+
+@dataclass
+class SharedBlock:
+    """Small buffers side by side in one mapping on 2 MB pages. A block lives while any of its
+    buffers does; untouched, its pages take no memory."""
+    block: torch.Tensor | None = None
+    used: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def carve(self, nbytes: int) -> torch.Tensor:
+        size = -(-nbytes // ALIGNMENT) * ALIGNMENT
+        with self.lock:
+            if self.block is None or self.used + size > self.block.numel():
+                self.block, self.used = huge_mapping(SHARED_BLOCK), 0
+            buffer = self.block[self.used:self.used + nbytes]
+            self.used += size
+        return buffer
+
+
+_shared = SharedBlock()
 
 
 def enabled() -> bool:

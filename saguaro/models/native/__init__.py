@@ -201,12 +201,23 @@ def pack8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def pack16(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 weights [out, in] -> tiles of 1024 bytes (group_matmul.c)."""
+    """bf16 weights [out, in] -> tiles of 1024 bytes (group_matmul.c), in a buffer of the weight
+    cache's, as repacked GGUF blocks are: on 2 MB pages, and kept on disk with the file's other
+    tiles (a BF16 file's 135M model decoded 1.13x faster on two threads, 1.14x on one, than from
+    the heap). Each chunk of inputs is copied straight from the weights, without an intermediate."""
     out_features, in_features = weight.shape
-    # [column, output j, group, chunk k, pair] -> [column, group, k, j, pair]
-    w = weight.to(torch.bfloat16).reshape(out_features // TILE_OUT, TILE_OUT, in_features // GROUP, 16, 2)
-    return in_chunks(16, w.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).reshape(
-        out_features // TILE_OUT, in_features // GROUP, 1024))
+    columns, groups = out_features // TILE_OUT, in_features // GROUP
+    buffer, filled = weight_cache.take(f"bf16 {out_features}x{in_features}", columns * groups * 1024)
+    tiles = buffer.view(torch.bfloat16)
+    if not filled:
+        # [column, output j, group, chunk k, pair] -> [column, group, k, j, pair], chunk by chunk of groups
+        w = weight.to(torch.bfloat16).reshape(columns, TILE_OUT, groups, 16, 2).permute(0, 2, 3, 1, 4)
+        chunk, at = library().saguaro_chunk_groups(16, groups), 0
+        for g in range(0, groups, chunk):
+            part = w[:, g:g + chunk]
+            tiles[at:at + part.numel()].view(part.shape).copy_(part)
+            at += part.numel()
+    return buffer.view(columns * groups, 1024)
 
 
 def pack5(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
