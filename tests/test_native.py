@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import gguf
 import numpy as np
@@ -16,8 +17,8 @@ import transformers
 
 from saguaro.models import loader, native
 from saguaro.models.kv_cache import KVCache
-from saguaro.models.quantized import (GROUP, GroupInt4, GroupInt6, GroupInt8, GroupLinear, Int4Linear, StackedCodes,
-                                      native_tiles)
+from saguaro.models.quantized import (FILE_FLOATS, GROUP, FileBlocks, GroupInt4, GroupInt6, GroupInt8, GroupLinear,
+                                      Int4Linear, StackedCodes, native_tiles)
 from test_gguf import gguf_tensors, write_gguf
 
 pytestmark = pytest.mark.skipif(not native.available(),
@@ -349,6 +350,39 @@ def test_without_a_compiler_saguaro_warns_and_runs_torchs_kernels(tiny_gguf, tmp
     env["CC"] = os.environ.get("CC", "cc")  # control: with the compiler, the same start runs native
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert "native True" in result.stdout, result.stderr
+
+
+@pytest.mark.skipif(not native.bf16_available(), reason="bf16 tiles need AVX512-BF16")
+@pytest.mark.parametrize("kind", ["BF16", "F16", "F32"])
+def test_a_float_files_projections_are_tiled_straight_from_the_map(kind, tmp_path, monkeypatch):
+    """A float GGUF's projections, head and embedding stay in the mapped file until tiled (no fp32
+    copy of the model at load), and the model computes bit for bit what it computed from the
+    weights dequantized first; a tiling that dropped the q / k rows' rope order (the control) does not."""
+    torch.manual_seed(0)
+    source = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**SIZE, tie_word_embeddings=True)).eval().requires_grad_(False)
+    gguf_type = getattr(gguf.GGMLQuantizationType, kind)
+    tensors = {name: (gguf.quants.quantize(array, gguf_type), gguf_type)
+               for name, array in gguf_tensors(source, "llama").items() if array.ndim == 2}
+    path = write_gguf(tmp_path / f"{kind}.gguf", source, "llama", "llama float", tensors=tensors)
+    _, state = loader.read_gguf(path)
+    projections = [v for n, v in state.items() if n.endswith("_proj.weight") or n == "model.embed_tokens.weight"]
+    assert len(projections) == 2 * 7 + 1 and all(isinstance(v, FileBlocks) and v.bits == 16 for v in projections)
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def logits(model):
+        return model.logits(hidden_states(model, tokens).bfloat16())
+
+    mapped = logits(loader.load_model(path, torch.bfloat16))
+    with monkeypatch.context() as patch:  # the weights dequantized to fp32 tensors first, as before
+        blocks = loader.file_blocks
+        patch.setattr(loader, "file_blocks", lambda t: None if int(t.tensor_type) in FILE_FLOATS else blocks(t))
+        dequantized = logits(loader.load_model(path, torch.bfloat16))
+    assert mapped.std() > 0.01 and torch.equal(mapped, dequantized)
+    with monkeypatch.context() as patch:
+        values = FileBlocks.values
+        patch.setattr(FileBlocks, "values", lambda self: values(replace(self, order=None)))
+        assert not torch.equal(logits(loader.load_model(path, torch.bfloat16)), dequantized)
 
 
 def test_a_float_draft_runs_on_the_kernels_where_its_target_does(smollm2_path):

@@ -20,7 +20,7 @@ from saguaro.models.gguf_file import GGUFFile, read_gguf_file
 from saguaro.models.hub import cache_dir
 from saguaro.models.llama import LlamaModel
 from saguaro.models.packed import PackedLinear, pack_linears
-from saguaro.models.quantized import (GROUP, FileBlocks, GroupCodes, GroupInt4, GroupInt5, GroupInt6, GroupInt8,
+from saguaro.models.quantized import (FILE_FLOATS, GROUP, FileBlocks, GroupCodes, GroupInt4, GroupInt5, GroupInt6, GroupInt8,
                                       StackedCodes, check_mode, quantized_linear)
 from saguaro.models.tokenizer import FolderTokenizer
 
@@ -303,7 +303,10 @@ def gguf_groups(tensor) -> GroupCodes | None:
 def file_blocks(tensor) -> FileBlocks | None:
     """A tensor of a type saguaro's kernels read, left in the mapped file (see FileBlocks)."""
     kind = int(tensor.tensor_type)
-    if not native.type_bits(kind) or kind not in DECODED and not native.available():
+    if kind in FILE_FLOATS:
+        if len(tensor.shape) != 2 or not native.bf16_available():
+            return None  # (without AVX512-BF16 float weights run on torch's kernels, dequantized)
+    elif not native.type_bits(kind) or kind not in DECODED and not native.available():
         return None  # (IQ4's and Q3_K's codes have no decoder besides repack.c's: gguf-py dequantizes them)
     out_features, in_features = (int(n) for n in reversed(tensor.shape))
     return FileBlocks(kind, np.asarray(tensor.data).reshape(out_features, -1), torch.Size((out_features, in_features)),

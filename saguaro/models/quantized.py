@@ -20,6 +20,8 @@ from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Callable
 
+import warnings
+
 import numpy as np
 import torch
 from torch import nn
@@ -106,20 +108,25 @@ class GroupInt6(GroupCodes):
         return self.codes.float() * per_input
 
 
+# ggml's float types (F32, F16, BF16), which saguaro's kernels run as bf16 tiles
+FILE_FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
+
+
 @dataclass
 class FileBlocks:
     """A GGUF tensor's blocks where the file holds them (mapped, not copied): saguaro's kernels
     repack them into tiles straight from there (native/repack.c), so a load never holds a
-    model's codes twice; `groups` decodes them (numpy) where torch's kernels need codes."""
+    model's codes twice; `groups` decodes them (numpy) where torch's kernels need codes. A float
+    tensor (FILE_FLOATS) is tiled as bf16 from the map too, with no fp32 copy of the model."""
     type_id: int  # ggml's type
-    data: np.ndarray  # [rows, bytes per row] uint8, a view of the mapped file
+    data: np.ndarray  # [rows, bytes per row] uint8 (a float tensor's: [rows, inputs] of its type), a view of the mapped file
     shape: torch.Size  # [out, in]
     groups_of_file: Callable[[], GroupCodes]  # the whole tensor's codes, in the file's row order
     order: torch.Tensor | None = None  # output row r is the file's row order[r]
 
     @property
     def bits(self) -> int:
-        return native.type_bits(self.type_id)
+        return 16 if self.type_id in FILE_FLOATS else native.type_bits(self.type_id)
 
     def rows(self, index: torch.Tensor) -> FileBlocks:
         return replace(self, order=index if self.order is None else self.order[index])
@@ -128,18 +135,33 @@ class FileBlocks:
         codes = self.groups_of_file()
         return codes if self.order is None else codes.rows(self.order)
 
+    def values(self) -> torch.Tensor:
+        """A float tensor's [out, in] in its own type: a view of the map (read, never written),
+        or where rows are reordered a copy."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            raw = torch.from_numpy(self.data)
+        values = raw.view(torch.uint8).view(FILE_FLOATS[self.type_id]).view(self.shape)
+        return values if self.order is None else values[self.order]
+
     def tiles(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        tiles = native.repack(self.type_id, self.data, self.shape, self.order, out)
+        if self.bits == 16:
+            tiles = native.pack16(self.values(), out)
+        else:
+            tiles = native.repack(self.type_id, self.data, self.shape, self.order, out)
         forget_pages(self.data)
         return tiles
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if not native.available():
+        if self.bits == 16:
+            weights = self.values().to(dtype, copy=True)
+        elif not native.available():
             return self.groups().dequantize().to(dtype)
-        written = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32  # what the kernel writes
-        weights = native.dequantize_rows(self.type_id, self.data, self.shape, self.order, written)
+        else:
+            written = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32  # what the kernel writes
+            weights = native.dequantize_rows(self.type_id, self.data, self.shape, self.order, written).to(dtype)
         forget_pages(self.data)
-        return weights.to(dtype)
+        return weights
 
 
 @dataclass
