@@ -268,10 +268,13 @@ def test_a_q4_k_m_file_runs_entirely_on_saguaros_kernels(source, tmp_path):
 
 
 @pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
-@pytest.mark.parametrize("kind", ["Q4_K_M", "Q4_0", "Q5_K", "Q3_K", "Q2_K"])
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q4_0", "Q5_K", "Q3_K", "Q2_K", "BF16"])
 def test_greedy_sd_and_ssd_equal_ar_on_a_quantized_file(kind, source, tmp_path):
     """Batch invariance on the kernels' kinds (Q4_K_M: Q4_K's and Q6_K's block records; Q4_0:
-    its own tiles; Q5_K, Q3_K, Q2_K: their records): K + 1 = 4 tokens verified in one pass give AR's."""
+    its own tiles; Q5_K, Q3_K, Q2_K: their records; BF16: bf16 tiles from the map): K + 1 = 4
+    tokens verified in one pass give AR's."""
+    if kind == "BF16" and not native.bf16_available():
+        pytest.skip("bf16 tiles need AVX512-BF16")
     from drafts import InProcessDraft, sd_decoder, ssd_decoder, worker_config
     from saguaro import SamplingParams
     from saguaro.engine.sequence import Sequence
@@ -281,7 +284,7 @@ def test_greedy_sd_and_ssd_equal_ar_on_a_quantized_file(kind, source, tmp_path):
         write_gguf(tmp_path / f"{kind}.gguf", source, "llama", "tiny", tensors=projection_blocks(source, Q[kind]))
     target = loader.load_model(target_file, torch.bfloat16)
     assert {m.bits for name, m in target.named_modules() if name.endswith("_proj")} <= \
-        ({0, native.K4, native.K6} if kind == "Q4_K_M" else {0, native.type_bits(Q[kind])})
+        ({0, native.K4, native.K6} if kind == "Q4_K_M" else {0, 16} if kind == "BF16" else {0, native.type_bits(Q[kind])})
     draft_file = q4_k_m_files(source, tmp_path, seed=1)[0]
     draft = loader.load_model(draft_file, torch.bfloat16)
 

@@ -119,7 +119,7 @@ class FileBlocks:
     model's codes twice; `groups` decodes them (numpy) where torch's kernels need codes. A float
     tensor (FILE_FLOATS) is tiled as bf16 from the map too, with no fp32 copy of the model."""
     type_id: int  # ggml's type
-    data: np.ndarray  # [rows, bytes per row] uint8 (a float tensor's: [rows, inputs] of its type), a view of the mapped file
+    data: np.ndarray  # a view of the mapped file: [rows, bytes per row] uint8, or a float tensor's [rows, inputs]
     shape: torch.Size  # [out, in]
     groups_of_file: Callable[[], GroupCodes]  # the whole tensor's codes, in the file's row order
     order: torch.Tensor | None = None  # output row r is the file's row order[r]
