@@ -154,7 +154,7 @@ class FileBlocks:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.bits == 16:
-            weights = self.values().to(dtype, copy=True)
+            weights = native.float_rows(self.type_id, tuple(self.shape), self.order, dtype, self.values)
         elif not native.available():
             return self.groups().dequantize().to(dtype)
         else:

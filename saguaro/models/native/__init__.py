@@ -323,6 +323,18 @@ def dequantize_rows(type_id: int, blocks, shape: tuple[int, int], order: torch.T
     return out
 
 
+def float_rows(type_id: int, shape: tuple[int, int], order: torch.Tensor | None, dtype: torch.dtype,
+               values: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A float GGUF tensor (an embedding table) in `dtype`, in a buffer of the weight cache's: once
+    the cache holds it, a mapping whose pages become resident only for the rows read. values()
+    gives the rows, in order, where the cache does not hold them."""
+    buffer, filled = weight_cache.take(_tag(f"rows {dtype}", type_id, shape, order), math.prod(shape) * dtype.itemsize)
+    out = buffer.view(dtype).view(shape)
+    if not filled:
+        out.copy_(values())
+    return out
+
+
 HEADER_BYTES, MAX_PARTS = 64, 3
 
 
