@@ -16,11 +16,10 @@ torch's int4 kernel.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Callable
-
-import warnings
 
 import numpy as np
 import torch

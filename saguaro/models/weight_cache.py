@@ -135,9 +135,8 @@ def huge_mapping(nbytes: int) -> torch.Tensor:
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while any view lives
     start = -whole.data_ptr() % HUGE_PAGE  # untouched, the skipped head takes no memory
-    if nbytes >= HUGE_PAGE:
-        with contextlib.suppress(OSError):  # a kernel without THP: 4 KB pages as before
-            mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    with contextlib.suppress(OSError):  # a kernel without THP: 4 KB pages as before
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
     return whole[start:start + nbytes]
 
 
