@@ -143,7 +143,8 @@ def huge_mapping(nbytes: int) -> torch.Tensor:
 @dataclass
 class SharedBlock:
     """Small buffers side by side in one mapping on 2 MB pages. A block lives while any of its
-    buffers does; untouched, its pages take no memory."""
+    buffers does, and the newest one also while it takes more (so at most 32 MB, of which only
+    the pages touched take memory, outlive the buffers carved from it)."""
     block: torch.Tensor | None = None
     used: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
