@@ -34,7 +34,7 @@ from saguaro.models.quantized import QuantizedLinear
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     """GB/s the cores read summing a buffer far larger than the caches (best of the repeats), on
     2 MB pages as saguaro's weights lie (weight_cache.fresh_buffer): from 4 KB pages the same sum
-    read 1.22x less on one core and 1.25x less on two (session 13)."""
+    read 1.22x less on one core and 1.25x less on two (2026-12-05, engine cce1900)."""
     buffer = weight_cache.fresh_buffer(megabytes * 2**20).view(torch.float32)
     buffer.fill_(1.0)
     best = float("inf")
