@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import sys
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 from saguaro.config import add_speculative_arguments, speculative_config_from_args
 from saguaro.llm import add_llm_arguments, llm_from_args
@@ -23,6 +27,20 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text ends before it")
     group.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     group.add_argument("--metrics", action="store_true", help="print each request's metrics to stderr")
+
+
+def require_extra(command: str, extra: str) -> None:
+    """Says before any model loads which extra a command needs, naming what of it is missing
+    (read from saguaro's installed metadata: nothing to check in a tree that is not installed)."""
+    try:
+        requirements = [Requirement(r) for r in importlib.metadata.requires("saguaro") or []]
+    except importlib.metadata.PackageNotFoundError:
+        return
+    missing = [r.name for r in requirements if r.marker is not None and r.marker.evaluate({"extra": extra})
+               and importlib.util.find_spec(r.name.replace("-", "_")) is None]
+    if missing:
+        raise ImportError(f"saguaro {command} needs the {extra} extra ({', '.join(missing)} not installed): "
+                          f"pip install 'saguaro[{extra}]'")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +140,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from saguaro import bench
     from saguaro.bench import report
 
+    require_extra("bench", "bench")
     numbers = lambda text, kind: [kind(x) for x in text.split(",") if x]  # noqa: E731
     bench_config = bench.BenchConfig(
         model=args.model, speculative=speculative_config_from_args(args), methods=args.methods.split(","),
@@ -147,6 +166,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.profile is not None:
         print(plan.forecast_markdown(read_hardware_profile(args), batch_sizes))
         return 0
+    require_extra("plan", "data")
     texts = humaneval_prompts() if args.dataset == "humaneval" else sharegpt_first_turns("heldout", limit=max(batch_sizes))
     llm = llm_from_args(args)
     prompts = [llm.encode([{"role": "user", "content": t}]) for t in texts[:max(batch_sizes)]]
@@ -258,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             run_generate(args)
         else:
             run_chat(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"saguaro: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

