@@ -197,3 +197,24 @@ def test_an_entry_is_written_whole_2mb_blocks_at_a_time(tmp_path, monkeypatch, m
     if most is None:
         total = sum(sizes)
         assert calls == [2**21] * (total // 2**21) + [total % 2**21]
+
+
+def test_fresh_buffers_taken_inside_inference_mode_can_be_filled_outside_it(monkeypatch):
+    """A model loaded inside torch.inference_mode leaves the shared block's rest to the next load:
+    a draft packed outside it must still fill its tiles in place there (an inference tensor's
+    views cannot be, which failed gpu_check's greedy check whenever a concurrent first load of the
+    same model made the draft's tiles land in that rest). Control: a block made as before, inside
+    inference mode, refuses exactly that fill."""
+    monkeypatch.setattr(weight_cache, "_shared", weight_cache.SharedBlock())
+    with torch.inference_mode():
+        first = weight_cache.fresh_buffer(4096)
+        first.fill_(1)
+    later = weight_cache.fresh_buffer(4096)  # carved from the same block
+    later.copy_(torch.full((4096,), 2, dtype=torch.uint8))
+    assert int(first.sum()) == 4096 and int(later.sum()) == 2 * 4096
+
+    monkeypatch.setattr(weight_cache, "_shared", weight_cache.SharedBlock())
+    with torch.inference_mode():
+        weight_cache._shared.carve(4096)  # the block made in inference mode, as before the fix
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        weight_cache._shared.carve(4096).copy_(torch.zeros(4096, dtype=torch.uint8))

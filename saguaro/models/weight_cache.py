@@ -121,12 +121,18 @@ def fresh_buffer(nbytes: int) -> torch.Tensor:
     prefetchers not stopping at each page's end). Buffers under SHARED_BLOCK / 4 (a small
     model's projections) are carved one after another out of a shared mapping, as alone they
     would not fill one 2 MB page: a 135M model's bf16 products, two threads, read 1.25-1.65x as
-    fast from them as from the heap's 4 KB pages."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes >= SHARED_BLOCK // 4:
-        return huge_mapping(nbytes)
-    return _shared.carve(nbytes)
+    fast from them as from the heap's 4 KB pages.
+
+    Never an inference tensor, even when asked for inside torch.inference_mode: a shared block
+    made there outlives that load, and a later load outside it that carves the block's rest
+    could not fill its buffers in place (a model loaded under inference_mode, then a draft's
+    tiles packed outside it, failed so whenever those tiles landed in that block's rest)."""
+    with torch.inference_mode(False):
+        if not hasattr(mmap, "MADV_HUGEPAGE"):
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes >= SHARED_BLOCK // 4:
+            return huge_mapping(nbytes)
+        return _shared.carve(nbytes)
 
 
 def huge_mapping(nbytes: int) -> torch.Tensor:
