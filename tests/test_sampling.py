@@ -93,6 +93,35 @@ def test_sampling_never_picks_a_masked_token(logits):
     assert torch.equal(sample(probs[:6], torch.full((6,), 0.999999)), probs[:6].nonzero()[1::2, 1])
 
 
+# A tiny temperature or top_p in float32: 1e-39 is denormal (logits / T overflow, softmax gives
+# NaN), 1e-46 is zero. Each samples as the limit it approaches, greedy.
+TINY = [dict(temperature=1e-39), dict(temperature=1e-46), dict(temperature=1.5, top_p=1e-46),
+        dict(temperature=1e-20, top_p=1e-39, top_k=5)]
+
+
+@pytest.mark.parametrize("kwargs", TINY)
+def test_a_tiny_temperature_or_top_p_is_a_point_mass_on_the_argmax(logits, kwargs):
+    greedy = torch.nn.functional.one_hot(logits.argmax(-1), 40).float()
+    assert torch.equal(warped(logits, **kwargs), greedy)
+    u = torch.rand(len(logits), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(sample(warped(logits, **kwargs), u), logits.argmax(-1))
+
+
+def test_mixed_rows_keep_a_tiny_temperature_greedy(logits):
+    params = [SamplingParams(temperature=1e-39), SamplingParams(temperature=1.0)] * 3
+    probs = warp(logits, WarpParams.of(params))
+    assert torch.equal(probs[::2], torch.nn.functional.one_hot(logits[::2].argmax(-1), 40).float())
+    torch.testing.assert_close(probs[1::2], logits[1::2].softmax(-1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0.0])
+def test_sampling_from_no_distribution_raises(logits, bad):
+    probs = logits.softmax(-1)
+    probs[3] = bad
+    with pytest.raises(ValueError, match="not a distribution"):
+        sample(probs, torch.full((len(probs),), 0.5))
+
+
 # --- generation: seeds, stop conditions, prompt forms -----------------------------------------------
 
 CHAT = [{"role": "user", "content": "Reply with one word: what colour is the sky on a clear day?"}]
@@ -116,6 +145,13 @@ def test_seed_is_per_request_not_per_batch(llm):
                          [SamplingParams(temperature=1.0, seed=3, max_tokens=20),
                           SamplingParams(temperature=1.0, seed=7, max_tokens=12)], use_tqdm=False)
     assert batch[1].token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("kwargs", TINY[:3])
+def test_a_tiny_temperature_or_top_p_generates_greedily(llm, kwargs):
+    greedy = generate(llm, "The capital of France is", temperature=0, max_tokens=8).token_ids
+    for seed in (3, 4):
+        assert generate(llm, "The capital of France is", seed=seed, max_tokens=8, **kwargs).token_ids == greedy
 
 
 def test_eos_stops_and_ignore_eos_continues(llm):

@@ -12,6 +12,9 @@ import torch
 
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n seeds derived from one seed are distinct
+# A temperature below this samples as its limit, greedy: logits / T overflow float32 from about
+# 1e-37 (softmax then gives NaN), and long before that the softmax is a point mass on the argmax.
+MIN_TEMPERATURE = 1e-30
 
 
 @dataclass
@@ -49,13 +52,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass
 class WarpParams:
     """Per-row sampling parameters as tensors, built once per batch."""
-    temperature: torch.Tensor  # [N]; 0 means greedy
+    temperature: torch.Tensor  # [N]; 0 means greedy (SamplingParams.greedy)
     top_k: torch.Tensor  # [N]; <= 0 means off
     top_p: torch.Tensor  # [N]
     all_greedy: bool  # every row greedy: drafts are argmaxes, their distributions point masses
@@ -67,7 +70,7 @@ class WarpParams:
     def of(cls, params: list[SamplingParams], device="cpu") -> "WarpParams":
         def column(values: list) -> torch.Tensor:  # a copy that does not wait for the device's queue
             return torch.tensor(values).to(device, non_blocking=True)
-        return cls(column([p.temperature for p in params]), column([p.top_k for p in params]),
+        return cls(column([0.0 if p.greedy else p.temperature for p in params]), column([p.top_k for p in params]),
                    column([p.top_p for p in params]),
                    all(p.greedy for p in params), any(p.greedy for p in params),
                    any(p.top_k > 0 or p.top_p < 1 for p in params))
@@ -99,7 +102,8 @@ def _mask_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(-1) - probs  # keep the smallest prefix whose mass reaches top_p
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    # ... and the most likely token whatever top_p is: a tiny one (0 in float32) is its limit, greedy
+    sorted_logits = sorted_logits.masked_fill((mass_before >= top_p[:, None]) & (ranks > 0), float("-inf"))
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
 
 
@@ -110,7 +114,15 @@ def uniforms(generators: list[torch.Generator], n: int) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: one token per row of probs [N, V] from u [N] in [0, 1).
-    Tokens of probability zero are never chosen."""
+    Tokens of probability zero are never chosen. A row that is no distribution (NaN, or no
+    mass) raises rather than fall to the last token: on the CPU at once, on an accelerator
+    at its next synchronization (the check does not wait for the device)."""
     cdf = probs.cumsum(-1)
+    valid = (cdf[:, -1] > 0).all()  # NaN anywhere in a row makes its total NaN
+    if probs.device.type == "cpu":
+        if not valid:
+            raise ValueError("sampling from a row that is not a distribution (NaN or no mass)")
+    else:
+        torch._assert_async(valid, "sampling from a row that is not a distribution (NaN or no mass)")
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None].to(cdf.dtype), right=True)[:, 0]
     return tokens.clamp_(max=probs.shape[-1] - 1)

@@ -16,7 +16,7 @@ import torch
 from saguaro.config import TreeShape
 from saguaro.engine.proposal import Proposal
 from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
-from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
+from saguaro.engine.sampler import MIN_TEMPERATURE, SamplingParams, WarpParams, sample, uniforms, warp
 from saguaro.engine.verify import point_masses
 from saguaro.models.kv_cache import CacheRows, KVCache, ensure_cache
 from saguaro.models.llama import LlamaModel
@@ -149,7 +149,7 @@ def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[l
     device = model.device
     B, k = len(chunks), shape.topk
     hidden = last_hidden(forward_chunks(model, cache, rows, chunks, starts), chunks)[:, None]
-    inverse_t = torch.tensor([1 / t if t > 0 else 1.0 for t in temperatures]).to(device, non_blocking=True)
+    inverse_t = torch.tensor([1 / t if t >= MIN_TEMPERATURE else 1.0 for t in temperatures]).to(device, non_blocking=True)
     inverse_t = inverse_t[:, None, None]
     ends = [s + len(c) for s, c in zip(starts, chunks)]  # the first slot after each row's text
     rows_t = None if rows == list(range(B)) else torch.tensor(rows).to(device, non_blocking=True)
