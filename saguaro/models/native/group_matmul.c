@@ -74,8 +74,8 @@
 #define TILE_OUT 16
 #define GROUP 32
 #define MAX_ROWS 8       /* rows sharing one pass over the codes (a verification of K + 1 <= 8 tokens: one) */
-#define PREFETCH_TILES 8 /* how far ahead the codes are fetched while the current tile computes (AMD) */
-#define PREFETCH_BYTES 4096 /* and on other CPUs, into L2: see streams_alone */
+#define PREFETCH_TILES 8 /* how far ahead one row's codes are fetched into L1 where that pays (AMD, K6) */
+#define PREFETCH_BYTES 4096 /* and otherwise into L2: see streams_alone and tile_column */
 #define NL4 104 /* the IQ4 tile kind (not a width: its codes are 4 bits) */
 #define SYM4 100 /* the Q4_0 tile kind: 4-bit codes offset by 8, no lows */
 #define K4 124 /* the Q4_K record kind */
@@ -205,10 +205,7 @@ __attribute__((target("avx512f,avx512bf16"))) static inline __attribute__((alway
         for (int c = 0; c < BF16_CHAINS; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t g = 0; g < in_features / GROUP; g++) {
         const uint8_t *tile = tiles + g * 1024;
-        if (R > 1) /* one row streams as fast on AMD's hardware prefetcher alone; elsewhere into L2 */
-            for (int line = 0; line < 1024; line += 64)
-                _mm_prefetch((const char *)tile + 4 * 1024 + line, _MM_HINT_T0);
-        else if (!streams_alone)
+        if (R > 1 || !streams_alone) /* 4 KB ahead into L2 (tile_column); one row on AMD: the hardware's */
             for (int line = 0; line < 1024; line += 64)
                 _mm_prefetch((const char *)tile + 4 * 1024 + line, _MM_HINT_T1);
         for (int k = 0; k < 16; k += BF16_CHAINS)
@@ -284,13 +281,15 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
     const int width = code_width(bits), blocked = is_record(bits);
-    /* Tiles are fetched PREFETCH_TILES ahead, but for one row of the 4- and 8-bit kinds and of
-     * the K records but K6 on AMD's cores, which stream them faster on the hardware's prefetcher
-     * alone (tile_rows.py, one core of a Zen 4 EPYC, from memory: 1.1-1.2x at one row; left alone
-     * at six rows, 0.7x; from 2 MB pages, K4 and K5 records 1.07-1.19x, K3 and K2 1.02-1.10x, K6
-     * 0.95-0.99x). One core of a Xeon (with AMX) streams them faster fetched ahead: see
-     * streams_alone. */
-    const int64_t ahead = streams_alone ? PREFETCH_TILES * tile_bytes : PREFETCH_BYTES;
+    /* Several rows take the tiles PREFETCH_BYTES ahead into L2, on every CPU: on one core of a
+     * Zen 4 EPYC, six rows from memory ran 1.2-1.4x as fast so as with PREFETCH_TILES into L1
+     * (peak.py, 2 MB pages, medians, a shared machine). One row of the 4- and 8-bit kinds and of
+     * the K records but K6 streams faster on AMD's hardware prefetcher alone (from memory:
+     * 1.1-1.2x; K4 and K5 records 1.07-1.19x, K3 and K2 1.02-1.10x, K6 0.95-0.99x), K6 with its
+     * tiles PREFETCH_TILES ahead into L1; one core of a Xeon (with AMX) streams them faster
+     * fetched into L2: see streams_alone. */
+    const int into_l1 = R == 1 && streams_alone;
+    const int64_t ahead = into_l1 ? PREFETCH_TILES * tile_bytes : PREFETCH_BYTES;
     const int prefetched = R > 1 || !streams_alone || !(bits == 4 || bits == SYM4 || bits == NL4 || bits == 8
                                                         || bits == K4 || bits == K5 || bits == K3 || bits == K2);
     __m512 acc[MAX_ROWS], block_d = _mm512_setzero_ps(), block_neg_dmin = _mm512_setzero_ps(); /* K-quants */
@@ -305,7 +304,7 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
         if (prefetched)
             for (int64_t line = 0; line < tile_bytes; line += 64) {
                 const char *next = (const char *)tiles + g * tile_bytes + ahead + line;
-                if (streams_alone) _mm_prefetch(next, _MM_HINT_T0);
+                if (into_l1) _mm_prefetch(next, _MM_HINT_T0);
                 else _mm_prefetch(next, _MM_HINT_T1);
             }
         /* Integer sums, exact in any order: two chains per row where few rows leave the
