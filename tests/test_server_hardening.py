@@ -342,6 +342,21 @@ def test_a_keyed_client_is_served_while_1000_idle_connections_are_open(llm):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def test_serve_raises_a_low_file_descriptor_limit_towards_the_hard_one():
+    """A soft limit of 1024 (a common default) would leave a thousand idle connections no room."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = serve.MAX_FDS if hard == resource.RLIM_INFINITY else min(hard, serve.MAX_FDS)
+    if wanted <= 1024:
+        pytest.skip(f"the hard limit is {hard}")
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+        serve.raise_fd_limit()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == wanted
+        assert serve.default_max_connections() == wanted - serve.FD_RESERVE
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_at_the_connection_cap_the_connection_idle_longest_is_closed(llm):
     server = LiveServer(llm, ServerConfig(MODEL, api_key=KEY, max_connections=8), max_waiting=8)
     sockets = []

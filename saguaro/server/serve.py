@@ -168,19 +168,26 @@ class GuardedH11(H11Protocol):
         self.transport.close()
 
 
+def fd_limit() -> int:
+    """The soft file-descriptor limit (MAX_FDS where there is none)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return MAX_FDS if soft == resource.RLIM_INFINITY else soft
+
+
 def default_max_connections() -> int:
     """The file-descriptor limit less a reserve for the model's files, the draft worker's
     sockets and the like: at the limit, accepting fails and even a keyed client waits."""
-    return max(resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_RESERVE, 1)
+    return max(fd_limit() - FD_RESERVE, 1)
 
 
 def raise_fd_limit() -> None:
-    """Lifts the soft file-descriptor limit to the hard one, as servers do: a soft limit of
-    1024 (a common default) would cap the connections below a thousand."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
+    """Lifts the soft file-descriptor limit towards the hard one (to MAX_FDS at most), as
+    servers do: a soft limit of 1024, a common default, would cap the connections below a thousand."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    wanted = MAX_FDS if hard == resource.RLIM_INFINITY else min(hard, MAX_FDS)
+    if fd_limit() < wanted:
         with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, MAX_FDS), hard))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def is_loopback(host: str) -> bool:
