@@ -35,6 +35,7 @@ class Mutation:
 
 SSD = "tests/test_ssd.py::"
 EXACT = "tests/test_exactness.py::"
+TREES = "tests/test_trees.py::"
 
 MUTATIONS = [
     Mutation("saguaro sampling: tree drafts from sigma, reports q",
@@ -75,6 +76,32 @@ MUTATIONS = [
              "draft_probs[:, -1:]",
              [SSD + "test_ssd_is_exact_when_every_draft_is_accepted",
               EXACT + "test_sd_decoder_is_exact_when_every_draft_is_accepted"]),
+    # blind spots of the pooled PIT tests (each caught by a test of its own)
+    Mutation("tree walk draws its bonus with the last node's uniform (index off by one)",
+             "saguaro/engine/tree.py",
+             "torch.tensor([u[-1]])",
+             "torch.tensor([u[-2]])",
+             [TREES + "test_walk_commits_each_token_as_often_as_a_fixed_target_gives_it[walk-True]"]),
+    Mutation("SSD's cached branches draw every depth with one uniform",
+             "saguaro/speculation/worker/speculator.py",
+             "sample(q, u[:, :, depth].flatten())",
+             "sample(q, u[:, :, 0].flatten())",
+             [SSD + "test_ssd_check_of_cached_branches_drawing_each_depth_afresh[False]"]),
+    Mutation("rows of one batch verified with each other's sampling parameters",
+             "saguaro/engine/sampler.py",
+             "temperature=self.temperature.repeat_interleave(n)",
+             "temperature=self.temperature.repeat(n)",
+             [EXACT + "test_sd_decoder_check_of_rows_with_very_different_settings[False]"]),
+    Mutation("a cached branch served for the right accepted length but another bonus token",
+             "saguaro/speculation/worker/cache.py",
+             "i = None if outcome is None else branches.index.get(outcome)",
+             "i = None if outcome is None else next((j for o, j in branches.index.items() if o[0] == outcome[0]), None)",
+             [SSD + "test_ssd_check_of_a_hit_serving_the_branch_of_its_own_outcome[False]"]),
+    Mutation("top-p drops the token that crosses the threshold",
+             "saguaro/engine/sampler.py",
+             "mass_before = probs.cumsum(-1) - probs",
+             "mass_before = probs.cumsum(-1)",
+             [EXACT + "test_sd_decoder_check_of_top_p_against_a_nucleus_computed_apart[False]"]),
     # the existing controls' bugs
     Mutation("bonus after a rejection drawn from p (residual ignored)",
              "saguaro/engine/verify.py",
@@ -118,8 +145,9 @@ def run(mutation: Mutation, timeout_s: int) -> tuple[bool, str, float]:
         env = dict(os.environ, PYTHONPATH=str(root))
         start = time.perf_counter()
         try:
+            # in one process (-o addopts=: no xdist), where -x stops with exit 1 (xdist's stop is exit 2)
             done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                                   *mutation.tests], cwd=root, env=env, capture_output=True, text=True,
+                                   "-o", "addopts=", *mutation.tests], cwd=root, env=env, capture_output=True, text=True,
                                   timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return False, f"timed out after {timeout_s} s", time.perf_counter() - start

@@ -51,13 +51,79 @@ def randomized_pit(probs: torch.Tensor, tokens: torch.Tensor, v: torch.Tensor) -
     return (before + v.double() * probs.gather(-1, tokens[:, None])[:, 0]).clamp(0, 1)
 
 
+def chi_square_pvalue(groups: list[tuple[torch.Tensor, torch.Tensor]], min_expected: float = 5.0) -> float:
+    """Pearson's chi-square test that each group's tokens [n] were drawn from its distribution p
+    [V], pooled over the groups (statistics and degrees of freedom add). Tokens expected fewer
+    than min_expected times in a group share one cell; a token of probability zero drawn even
+    once gives 0."""
+    statistic, dof = 0.0, 0
+    for tokens, p in groups:
+        p = p.double() / p.double().sum()
+        counts = torch.bincount(tokens, minlength=len(p)).double()
+        if (counts[p == 0] > 0).any():
+            return 0.0
+        expected = len(tokens) * p
+        rare = expected < min_expected
+        observed = torch.cat((counts[~rare], counts[rare].sum()[None]))
+        expected = torch.cat((expected[~rare], expected[rare].sum()[None]))
+        kept = expected > 0
+        statistic += ((observed - expected)[kept] ** 2 / expected[kept]).sum().item()
+        dof += int(kept.sum()) - 1
+    half = torch.tensor([dof / 2, statistic / 2], dtype=torch.float64)
+    return torch.special.gammaincc(half[0], half[1]).item()  # the chi-square survival function
+
+
+def reference_warp(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
+    """`warp` written from the definitions, row by row in float64, to check warp itself against:
+    the softmax at the temperature, its top_k most likely tokens, then the smallest set of the
+    most likely of those whose mass reaches top_p, renormalized; a point mass at temperature 0."""
+    rows = []
+    for row, t, k, top_p in zip(logits.double(), params.temperature.tolist(), params.top_k.tolist(),
+                                params.top_p.tolist()):
+        if t == 0:
+            rows.append(torch.nn.functional.one_hot(row.argmax(), len(row)).double())
+            continue
+        probs = (row / t).softmax(-1)
+        ranked = probs.argsort(descending=True, stable=True).tolist()
+        ranked = ranked[:k] if k > 0 else ranked
+        mass = probs[ranked].sum().item()
+        nucleus, covered = [], 0.0
+        for token in ranked:
+            nucleus.append(token)
+            covered += probs[token].item() / mass
+            if covered >= top_p:
+                break
+        kept = torch.zeros_like(probs)
+        kept[nucleus] = probs[nucleus]
+        rows.append(kept / kept.sum())
+    return torch.stack(rows)
+
+
+def proposal_pvalues(tokens: torch.Tensor, probs: torch.Tensor, seed: int = 0) -> tuple[float, float]:
+    """Draft tokens [N, K] and the distributions reported for them [N, K, V]: what rejection
+    sampling assumes of a proposal, that token i was drawn from its reported q_i with a random
+    number of its own. Each token's randomized PIT in token-id order (the order `sample` inverts)
+    is then Uniform(0, 1), independent of the PIT of the token before it. Returns the KS
+    p-value of all PITs and the two-sided p-value of the correlation between consecutive ones
+    (a uniform reused along a chain makes them nearly equal)."""
+    probs = probs.double() / probs.double().sum(-1, keepdim=True)
+    v = torch.rand(tokens.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    before = (probs.cumsum(-1) - probs).gather(-1, tokens[..., None])[..., 0]
+    pit = (before + v * probs.gather(-1, tokens[..., None])[..., 0]).clamp(0, 1)
+    centred = pit - 0.5
+    products = centred[:, 1:] * centred[:, :-1]  # mean 0, variance 1/144 each, uncorrelated
+    z = products.sum().item() / math.sqrt(products.numel() / 144)
+    return ks_pvalue(pit), math.erfc(abs(z) / math.sqrt(2))
+
+
 @torch.inference_mode()
 def teacher_forced_probs(model: LlamaModel, prompts: list[list[int]], outputs: list[list[int]],
-                         params: list[SamplingParams], rows_per_pass: int = 2048
+                         params: list[SamplingParams], rows_per_pass: int = 2048, warp_rows=warp
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every output token of the sampled rows (greedy rows, point masses, carry no information
     and are left out) with the model's warped conditional distribution given its prompt and the
-    output before it: (row index [N], token [N], probs [N, V]), row by row in order."""
+    output before it: (row index [N], token [N], probs [N, V]), row by row in order. warp_rows:
+    what warps the logits (`reference_warp` to check `warp` itself)."""
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     rows_out, tokens_out, probs_out = [], [], []
     for start in range(0, len(sampled), rows_per_pass):
@@ -71,15 +137,15 @@ def teacher_forced_probs(model: LlamaModel, prompts: list[list[int]], outputs: l
         warp_params = WarpParams.of([params[batch[r]] for r in rows.tolist()], logits.device)
         rows_out.append(torch.tensor(batch)[rows])
         tokens_out.append(torch.tensor([t for i in batch for t in outputs[i]]))
-        probs_out.append(warp(logits, warp_params))
+        probs_out.append(warp_rows(logits, warp_params))
     return torch.cat(rows_out), torch.cat(tokens_out), torch.cat(probs_out)
 
 
 def teacher_forced_pit(model: LlamaModel, prompts: list[list[int]], outputs: list[list[int]],
-                       params: list[SamplingParams], seed: int = 0) -> torch.Tensor:
+                       params: list[SamplingParams], seed: int = 0, warp_rows=warp) -> torch.Tensor:
     """The PIT of every output token under the model's warped conditional distribution given
     its prompt and the output before it, pooled over all positions of all sampled rows."""
-    _, tokens, probs = teacher_forced_probs(model, prompts, outputs, params)
+    _, tokens, probs = teacher_forced_probs(model, prompts, outputs, params, warp_rows=warp_rows)
     v = torch.rand(len(tokens), generator=torch.Generator().manual_seed(seed))
     return randomized_pit(probs, tokens, v)
 

@@ -9,11 +9,14 @@ is observed too.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from drafts import sd_decoder
 import saguaro.engine.verifier as verification
+import saguaro.engine.sampler as sampler
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.verify import verify, verify_greedy
@@ -22,7 +25,7 @@ from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel
 from saguaro.models.quantized import quantized_linear
 from saguaro.speculation.local import drafters
-from stats import MisreportedProposal, ks_pvalue, randomized_pit, teacher_forced_pit
+from stats import MisreportedProposal, ks_pvalue, randomized_pit, reference_warp, teacher_forced_pit
 
 # A test of an exact decoder fails with this probability (its KS p-value falls below it by
 # chance); negative controls must land below it.
@@ -323,3 +326,55 @@ def test_sd_decoder_is_exact_when_every_draft_is_accepted(target):
 def test_sd_decoder_check_catches_a_bonus_from_the_residual_after_full_acceptance(target, monkeypatch):
     monkeypatch.setattr(verification, "verify", bonus_from_residual)
     assert sd_pvalue(target, tiny_model(seed=10, layers=2), sampled(1.0, rows=4_000)) < ALPHA
+
+
+# --- rows of one batch with very different settings --------------------------------------------------
+
+def mixed_settings(rows: int) -> list[SamplingParams]:
+    """T 0.5 with top-k 3 beside T 1.5, alternating: a row verified with its neighbour's
+    parameters commits from a very different distribution."""
+    sharp, flat = dict(temperature=0.5, top_k=3), dict(temperature=1.5)
+    return [SamplingParams(max_tokens=NEW, seed=i, **(sharp if i % 2 == 0 else flat)) for i in range(rows)]
+
+
+def tiled(self, n: int) -> WarpParams:
+    """Broken: the batch's parameters tiled n times (repeat) where each row's should be
+    repeated n times in a row (repeat_interleave): the target's distributions of a row's K + 1
+    positions are warped with the parameters of other rows."""
+    return replace(self, temperature=self.temperature.repeat(n), top_k=self.top_k.repeat(n),
+                   top_p=self.top_p.repeat(n))
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sd_decoder_check_of_rows_with_very_different_settings(target, draft, broken, monkeypatch):
+    """Exact with each row's own parameters; caught (p = 1e-25) with a neighbour's."""
+    if broken:
+        monkeypatch.setattr(WarpParams, "repeat", tiled)
+    params = mixed_settings(2_000)
+    assert (sd_pvalue(target, draft, params) > ALPHA) != broken
+
+
+# --- top-p against a nucleus computed apart from warp -------------------------------------------------
+
+def nucleus_without_the_crossing_token(scaled, top_k, top_p):
+    """Broken: top-p keeps the tokens whose mass *with* them stays below top_p, dropping the one
+    that crosses it (the most likely token is kept)."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)
+    sorted_logits = sorted_logits.masked_fill((top_k[:, None] > 0) & (ranks >= top_k[:, None]), float("-inf"))
+    mass_with = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+    sorted_logits = sorted_logits.masked_fill((mass_with >= top_p[:, None]) & (ranks > 0), float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sd_decoder_check_of_top_p_against_a_nucleus_computed_apart(target, draft, broken, monkeypatch):
+    """The teacher-forced PIT with `warp` as reference cannot see a bug in warp (both sides share
+    it): here the reference is `reference_warp`, written from the definitions. A nucleus that
+    drops the token crossing top_p is caught at p = 1e-48."""
+    if broken:
+        monkeypatch.setattr(sampler, "_mask_top_k_top_p", nucleus_without_the_crossing_token)
+    params = [SamplingParams(max_tokens=NEW, seed=i, top_p=(0.5, 0.8, 0.95)[i % 3]) for i in range(1_000)]
+    outputs = sd_outputs(target, draft, params)
+    pits = teacher_forced_pit(target, tiny_prompts(len(params)), outputs, params, warp_rows=reference_warp)
+    assert (ks_pvalue(pits) > ALPHA) != broken

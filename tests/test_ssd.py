@@ -29,6 +29,7 @@ from saguaro.models.llama import scatter_to_vocab
 from saguaro.models.loader import save_checkpoint
 from saguaro.engine.round import Decoder
 from saguaro.engine.sampler import sample
+from saguaro.engine.verify import verify
 from saguaro.speculation.build import ar_decoder
 from saguaro.speculation.worker import speculator
 from saguaro.speculation.remote import client as remote_client
@@ -40,7 +41,7 @@ from saguaro.speculation.local import drafters
 from saguaro.speculation.worker.cache import SpeculationCache
 from saguaro.engine.sampler import uniforms
 from saguaro.speculation.remote.proposer import SSDStats
-from stats import MisreportedProposal, ks_pvalue, repeat_pvalue, sharpen, teacher_forced_pit
+from stats import MisreportedProposal, ks_pvalue, proposal_pvalues, repeat_pvalue, sharpen, teacher_forced_pit
 from test_exactness import ALPHA, PROMPT, REDUCED_HEAD, TINY_V, bonus_from_residual, residual_is_p, tiny_model
 
 ROWS = 4_000
@@ -62,7 +63,7 @@ PATHS = {  # name: (fan_out, backup, saguaro_c, prompt_lookup)
     "lookup-hit": (ALL_CANDIDATES, "neural", 1.0, 1),  # a lookup replaces a cache hit
 }
 # K = 3 (the fan-out's length less one), outside the parametrized paths above
-K3_PATHS = {"miss-neural-k3": ([0] * 4, "neural", 1.0, None)}
+K3_PATHS = {"miss-neural-k3": ([0] * 4, "neural", 1.0, None), "hit-k3": ([TINY_V - 1] * 4, "neural", 1.0, None)}
 K3_NEW = 1 + 2 * 4  # the first round's neural draft, then a hit's
 
 
@@ -341,6 +342,81 @@ def test_ssd_check_catches_a_bonus_from_the_residual_after_full_acceptance(tiny_
                                                                           monkeypatch):
     monkeypatch.setattr(verification, "verify", bonus_from_residual)
     assert ssd_pvalue(tiny_target, twin_draft_dir, 1.0, "hit-c1", new=TWIN_NEW)[0] < ALPHA
+
+
+# --- K = 3, nearly every round after the first a hit ---------------------------------------------------------
+
+K3_ROWS = 500
+
+
+def recorded_proposals(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each round's draft tokens and reported distributions, as verification gets them."""
+    proposals = []
+
+    def recording(draft_tokens, draft_probs, target_probs, u_accept, u_bonus):
+        proposals.append((draft_tokens, draft_probs))
+        return verify(draft_tokens, draft_probs, target_probs, u_accept, u_bonus)
+
+    monkeypatch.setattr(verification, "verify", recording)
+    return proposals
+
+
+def one_uniform_per_branch(monkeypatch) -> None:
+    """Broken: each cached branch draws every depth with the uniform of its first."""
+    drawn = speculator.Speculator._uniforms
+
+    def reused(self, seqs, n):
+        u = drawn(self, seqs, n).view(len(seqs), -1, self.k)
+        return u[:, :, :1].expand_as(u).reshape(len(seqs), n)
+
+    monkeypatch.setattr(speculator.Speculator, "_uniforms", reused)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_ssd_check_of_cached_branches_drawing_each_depth_afresh(tiny_target, tiny_draft_dir, broken, monkeypatch):
+    """The SSD paths above run at K = 1, where one uniform per branch changes nothing. At K = 3
+    with nearly every round after the first a hit, each cached draft's PIT under its reported
+    distribution must be uniform and independent of the one before it (stats.proposal_pvalues);
+    a uniform reused along the branch is caught at p = 1e-186 from 500 rows."""
+    proposals = recorded_proposals(monkeypatch)
+    if broken:
+        one_uniform_per_branch(monkeypatch)
+    _, decoder = ssd_decode(tiny_target, tiny_draft_dir, 1.0, "hit-k3", rows=K3_ROWS, new=K3_NEW)
+    stats = ssd_of(decoder).stats
+    assert len(stats.hit_lengths) > 4 * K3_ROWS > 100 * len(stats.miss_lengths["neural"])
+    hits = proposals[1:]  # the first round's is the neural backup's; later ones are hits but a few rows
+    pvalues = proposal_pvalues(torch.cat([t for t, _ in hits]), torch.cat([q for _, q in hits]))
+    assert (min(pvalues) > ALPHA) != broken, pvalues
+
+
+def served_by_accepted_length(monkeypatch) -> None:
+    """Broken: a hit is served the first branch drafted for its accepted length, whatever its
+    bonus token."""
+    take = SpeculationCache.take
+
+    def by_length(self, seq_id, outcome):
+        branches = self._requests.get(seq_id)
+        if branches is not None and outcome is not None:
+            outcome = next((o for o in branches.index if o[0] == outcome[0]), outcome)
+        return take(self, seq_id, outcome)
+
+    monkeypatch.setattr(SpeculationCache, "take", by_length)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_ssd_check_of_a_hit_serving_the_branch_of_its_own_outcome(tiny_target, twin_draft_dir, broken, monkeypatch):
+    """A branch served for the right accepted length but another bonus token is still exact (it
+    is verified against the distributions it was drawn from), so no test of the output's
+    distribution can see it. Its drafts follow the wrong text, though: with the target as its
+    own draft (q = p, every draft accepted) a hit's K drafts are accepted whole exactly when its
+    branch was drafted after the outcome it serves. Broken: 69% of hits are (measured)."""
+    if broken:
+        served_by_accepted_length(monkeypatch)
+    _, decoder = ssd_decode(tiny_target, twin_draft_dir, 1.0, "hit-k3", rows=K3_ROWS, new=K3_NEW)
+    lengths = ssd_of(decoder).stats.hit_lengths
+    assert len(lengths) > K3_ROWS * 0.9
+    whole = sum(n == len(K3_PATHS["hit-k3"][0]) for n in lengths) / len(lengths)
+    assert (whole > 0.99) != broken, whole
 
 
 # Many rounds per row on a hit every round: what a random number used twice shows up in. The

@@ -26,7 +26,7 @@ from saguaro.models.llama import LlamaModel
 from saguaro.speculation import build
 from saguaro.speculation.policy.auto import Controller, auto_trees
 from saguaro.speculation.local.drafters import pick_nodes
-from stats import ks_pvalue, randomized_pit, teacher_forced_pit
+from stats import chi_square_pvalue, ks_pvalue, randomized_pit, teacher_forced_pit
 from test_exactness import ALPHA, TINY_K, sampled, tiny_model, tiny_outputs, tiny_prompts
 
 SHAPE = dict(tree_topk=3, num_draft_tokens=6)  # depth TINY_K = 2: 3 children of the root, 9 below, 6 kept
@@ -46,6 +46,12 @@ def walk_without_removal(tokens, parents, target_probs, u):
             return path, int(sample(residual[None], u[-1:])[0])
         path.append(step)
         at = step
+
+
+def walk_with_an_earlier_bonus_uniform(tokens, parents, target_probs, u):
+    """Broken: the bonus is drawn with u[N - 1], the last node's uniform (an index off by one),
+    not u[N]: after that node was tried and rejected, the number is no longer uniform."""
+    return walk(tokens, parents, target_probs, torch.cat((u[:-1], u[-2:-1])))
 
 
 def mask_seeing_siblings(parents, starts, width, span):
@@ -103,6 +109,28 @@ def first_tokens(walk_rule, rows: int, vocab: int = 6, seed: int = 3) -> tuple[t
 def test_walk_commits_the_target_distribution(walk_rule, exact):
     probs, tokens = first_tokens(walk_rule, 20_000)
     pvalue = ks_pvalue(randomized_pit(probs, tokens, torch.rand(len(tokens), generator=torch.Generator().manual_seed(4))))
+    assert (pvalue > ALPHA) == exact, pvalue
+
+
+# One fixed target distribution at every node, and a tree whose last node is the root's last
+# child, tried just before the bonus below the root is drawn. Random target distributions per
+# walk (above) average out a wrong bonus uniform, which moves probability between fixed tokens
+# (here token 1's 0.05 to 0, token 5's 0.10 to 0.14): a frequency test over a fixed
+# distribution sees it at p = 1e-98 (the pooled PIT of test_sd_with_trees_is_exact does not).
+FIXED_TARGET = torch.tensor([0.30, 0.05, 0.20, 0.10, 0.15, 0.10, 0.05, 0.05])
+FIXED_TREE = ([0, 3, 5, 2, 4], [-1, 0, 0, -1, -1])  # tokens, parents
+FIXED_WALKS = 5_000
+
+
+@pytest.mark.parametrize("walk_rule, exact", [(walk, True), (walk_with_an_earlier_bonus_uniform, False)])
+def test_walk_commits_each_token_as_often_as_a_fixed_target_gives_it(walk_rule, exact):
+    tokens, parents = FIXED_TREE
+    probs = FIXED_TARGET.expand(len(tokens) + 1, -1)
+    firsts = []
+    for u in torch.rand(FIXED_WALKS, len(tokens) + 1, generator=torch.Generator().manual_seed(5)):
+        path, bonus = walk_rule(tokens, parents, probs, u)
+        firsts.append(tokens[path[0]] if path else bonus)
+    pvalue = chi_square_pvalue([(torch.tensor(firsts), FIXED_TARGET)])
     assert (pvalue > ALPHA) == exact, pvalue
 
 

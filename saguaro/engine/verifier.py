@@ -143,9 +143,10 @@ class Verifier:
             B, T = hidden.shape[:2]
             params = WarpParams.of([s.params for s in seqs], device).repeat(T)
             target_probs = warp(logits.flatten(0, 1), params).view(B, T, -1)
-            u = uniforms([s.generator for s in seqs], T)
-            walks = [walk(n, p, target_probs[i, :len(n) + 1], u[i, :len(n) + 1])
-                     for i, (n, p) in enumerate(zip(nodes, parents))]
+            # each row draws for its own nodes, not the batch's widest tree: what a seeded request
+            # consumes must not depend on the others (a lookup's chain of K beside trees of 2K)
+            walks = [walk(n, p, target_probs[i, :len(n) + 1], uniforms([s.generator], len(n) + 1)[0])
+                     for i, (s, n, p) in enumerate(zip(seqs, nodes, parents))]
         outcomes = []
         for i, (seq, (path, bonus)) in enumerate(zip(seqs, walks)):
             start = starts[i]
