@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--ssd-acceptance", help="with --profile: that draft's acceptance, as --acceptance")
     plan.add_argument("--ssd-hit-rate", type=float, help="with --profile: SSD's cache hit rate with that draft")
     add_llm_arguments(plan)
+    twin = commands.add_parser("twin", help="write a wider twin of a GGUF model: the same function at a bigger "
+                               "model's cost, for benchmarking speculation in a large target's regime")
+    twin.add_argument("source", help="a GGUF file or a known model name (e.g. smollm2)")
+    twin.add_argument("out", type=Path, help="the twin's GGUF file")
+    twin.add_argument("--shape", required=True, metavar="HIDDEN,HEADS,KV_HEADS,FFN[,LAYERS]",
+                      help="the twin's widths, e.g. 1920,30,10,7680 (SmolLM2-135M at SmolLM2-1.7B's cost)")
     commands.add_parser("serve", add_help=False,
                         help="serve a model over an OpenAI-compatible HTTP API (saguaro serve --help)")
     return parser
@@ -274,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_plan(args)
         if args.command == "pull":
             print(hub.pull(args.name))
+        elif args.command == "twin":
+            from saguaro.models.twin import TwinShape, write_twin_gguf
+
+            print(write_twin_gguf(hub.resolve(args.source), args.out, TwinShape.parse(args.shape)))
         elif args.command == "generate":
             run_generate(args)
         else:

@@ -18,6 +18,7 @@ from saguaro.engine.sequence import Sequence
 from saguaro.models import graphs, hub
 from saguaro.models.loader import load_model, load_tokenizer, resolve_dtype
 from saguaro.models.kv_cache import kv_bytes_per_token
+from saguaro.models.llama import LlamaModel
 from saguaro.models.tensor_parallel import tensor_parallel
 from saguaro.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from saguaro.speculation.build import make_decoder
@@ -56,10 +57,12 @@ class LLM:
     kv_cache_mb MiB; the others wait and are admitted in arrival order as running ones finish.
     The cache is reserved for what runs at once, not for every request. A request that alone
     exceeds the budget is refused (ValueError).
+    target: a model already loaded to decode instead of loading `model`'s (which still gives the
+    tokenizer and the draft), e.g. a twin (saguaro.models.twin) that several engines share.
     """
 
     def __init__(self, model: str = hub.DEFAULT_MODEL, speculative_config: SpeculativeConfig | dict | None = None,
-                 **options):
+                 target: LlamaModel | None = None, **options):
         engine_options, speculative_options = split_options(options)
         self.engine_config = config = EngineConfig(model, **engine_options)
         self.speculative_config = SpeculativeConfig.of(speculative_config, **speculative_options)
@@ -68,7 +71,9 @@ class LLM:
         self.dtype = resolve_dtype(config.dtype)
         path = hub.resolve(model)
         self.tokenizer = load_tokenizer(path)
-        if config.tensor_parallel_size > 1:
+        if target is not None:  # already loaded (e.g. a twin of `model`: saguaro.models.twin), shared by engines
+            self.target = target
+        elif config.tensor_parallel_size > 1:
             self.target = tensor_parallel(path, self.dtype, config.tensor_parallel_size, config.device,
                                           config.batch_invariant)
         else:

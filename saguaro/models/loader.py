@@ -589,12 +589,19 @@ def load_draft(path: str | Path, target: LlamaModel, dtype: torch.dtype | None =
         return draft
     config = ModelConfig.load(Path(path) / "config.json")
     _check_vocab(config, target.config, path)
-    embeddings = target.embed_tokens.weight.detach()
-    if config.hidden_size != target.config.hidden_size and not _has_own_embeddings(path):
+    embeddings = draft_embeddings(target)
+    if config.hidden_size != embeddings.shape[1] and not _has_own_embeddings(path):
         raise IncompatibleDraftError(
             f"draft {path} borrows the target's embeddings but its width {config.hidden_size} "
-            f"differs from the target's {target.config.hidden_size}")
+            f"differs from the target's {embeddings.shape[1]}")
     return load_checkpoint(path, dtype, device, embeddings=embeddings, quantization=quantization)
+
+
+def draft_embeddings(target: LlamaModel) -> torch.Tensor:
+    """The embedding table a draft that omits its own borrows from `target`: the target's, or a
+    twin's source's (saguaro.models.twin: its first columns), as the draft was made for the source."""
+    width = getattr(target, "source_hidden_size", target.config.hidden_size)
+    return target.embed_tokens.weight.detach()[:, :width].contiguous()
 
 
 def fit_vocabulary(draft: LlamaModel, rows: int, tokens: int) -> LlamaModel:

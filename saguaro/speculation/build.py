@@ -19,7 +19,7 @@ from saguaro.engine.verifier import Verifier
 from saguaro.models import graphs, hub
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import IncompatibleDraftError, check_pair, load_draft
+from saguaro.models.loader import IncompatibleDraftError, check_pair, draft_embeddings, load_draft
 from saguaro.models.prefix_cache import PrefixCache, new_prefix_cache
 from saguaro.speculation.local.drafters import Drafter, PromptLookupDrafter, model_drafter
 from saguaro.speculation.local.proposer import DraftProposer
@@ -88,7 +88,7 @@ def start_workers(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus:
                                       vocabulary, target.cuda_graphs),
                             cpus, secret=spec.draft_secret)
                for address in addresses]
-    embeddings = target.embed_tokens.weight.detach().cpu()
+    embeddings = draft_embeddings(target).cpu()
     with ThreadPoolExecutor(len(configs)) as starting:  # the workers load at once
         futures = [starting.submit(DraftClient, config, embeddings, str(target.device)) for config in configs]
     clients = [f.result() for f in futures if f.exception() is None]
