@@ -179,8 +179,11 @@ def head_too_large(max_bytes: int) -> dict:
                       f"(saguaro serve --max-header-bytes)", code="request_header_fields_too_large")
 
 
-async def refuse(status: int, body: dict, scope, receive, send, headers: dict | None = None) -> None:
-    """Answers at once; the body is left unread, so the connection closes rather than wait for it."""
+async def refuse(status: int, body: dict, errors: Counter[int], scope, receive, send,
+                 headers: dict | None = None) -> None:
+    """Answers at once, counted in errors; the body is left unread, so the connection closes
+    rather than wait for it."""
+    errors[status] += 1
     await JSONResponse(body, status_code=status, headers={"Connection": "close", **(headers or {})})(
         scope, receive, send)
 
@@ -204,21 +207,17 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if head_bytes(scope) > self.max_header_bytes:
-            return await self.refuse(431, head_too_large(self.max_header_bytes), scope, receive, send)
+            return await refuse(431, head_too_large(self.max_header_bytes), self.errors, scope, receive, send)
         scope["path"] = scope["path"].rstrip("/") or "/"
         host = host_name(scope["headers"])
         if self.allowed_hosts is not None and host is not None and host not in self.allowed_hosts:
-            return await self.refuse(400, error_body(f"the Host header {host!r} is not one this server answers to "
-                                                     f"(saguaro serve --allowed-hosts)", code="host_not_allowed"),
-                                     scope, receive, send)
+            return await refuse(400, error_body(f"the Host header {host!r} is not one this server answers to "
+                                                f"(saguaro serve --allowed-hosts)", code="host_not_allowed"),
+                                self.errors, scope, receive, send)
         if scope["path"] not in PUBLIC_PATHS and not key_given(scope["headers"], self.api_key):
-            return await self.refuse(401, error_body("a valid API key is required (Authorization: Bearer KEY)",
-                                                     code="invalid_api_key"), scope, receive, send)
+            return await refuse(401, error_body("a valid API key is required (Authorization: Bearer KEY)",
+                                                code="invalid_api_key"), self.errors, scope, receive, send)
         await self.app(scope, receive, send)
-
-    async def refuse(self, status: int, body: dict, scope, receive, send) -> None:
-        self.errors[status] += 1
-        await refuse(status, body, scope, receive, send)
 
 
 class RequestLimit:
@@ -235,10 +234,9 @@ class RequestLimit:
         if scope["type"] != "http" or self.max_requests is None:
             return await self.app(scope, receive, send)
         if self.answering >= self.max_requests:
-            self.errors[503] += 1
             return await refuse(503, error_body(f"the server is answering {self.answering} requests, its limit "
                                                 f"(saguaro serve --limit-concurrency); retry later", "server_error"),
-                                scope, receive, send, headers={"Retry-After": str(RETRY_AFTER_S)})
+                                self.errors, scope, receive, send, headers={"Retry-After": str(RETRY_AFTER_S)})
         self.answering += 1
         try:
             await self.app(scope, receive, send)
@@ -261,8 +259,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and int(declared) > self.max_bytes:
-            self.errors[413] += 1
-            return await refuse(413, error_body(self.too_large()), scope, receive, send)
+            return await refuse(413, error_body(self.too_large()), self.errors, scope, receive, send)
         received = 0
 
         async def limited_receive():

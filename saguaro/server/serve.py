@@ -95,9 +95,9 @@ class ConnectionLimits:
 
 
 class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol with three guards against connections that cost a socket but
-    send no request. A request's head must all arrive within header_timeout_s of its first byte
-    (of the connection's opening, for its first request): uvicorn itself waits for it for ever.
+    """uvicorn's h11 protocol with three guards on what comes before a request's head is whole,
+    which no middleware sees. The head must all arrive within header_timeout_s of its first
+    byte (of the connection's opening, for its first request): uvicorn itself waits for ever.
     Beyond max_connections, a new connection closes the one that has waited longest for a head
     (idle between requests or never sending one), or itself if none waits: a client that
     sends its request at once is never the one closed, however many idle ones there are. A

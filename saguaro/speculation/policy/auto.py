@@ -118,7 +118,7 @@ class Controller:
     # greedy: acceptance and measured rates are kept apart for the two, which differ widely
     # (SD's acceptance length 2.5 greedy, 1.4-1.6 at T = 0.7 on the default model).
     sampling: bool = False
-    # (batch bucket, sampling, choice) -> decayed sums of committed tokens, seconds and rounds
+    # (batch bucket, sampling, choice) -> decayed sums of committed tokens and seconds, and the rounds counted
     measured: dict[tuple[int, bool, Option], list[float]] = field(default_factory=dict)
     ssd_cores_ratio: float | None = None  # all cores / SSD's target cores; None: no SSD worker (yet)
     ssd_branches: int = 1  # branches the worker pre-drafts per request (its fan-out's sum)
@@ -247,7 +247,11 @@ class Controller:
         return max(others) * (1 + HYSTERESIS) < self._predicted_ssd(batch, target, step, self.ssd_slowdown or cores_ratio)
 
     def rate(self, batch: int, choice: Option) -> float | None:
-        """The measured rate at this batch size, shrunk towards the prediction by PRIOR_ROUNDS."""
+        """The measured rate at this batch size, shrunk towards the prediction by PRIOR_ROUNDS
+        against every round measured: the rate follows the recent rounds (DECAY), but the
+        evidence for it is all of them. Weighed against the decayed sum of rounds, which never
+        passes 1 / (1 - DECAY) = 20, a prediction kept a sixth of the say for ever, and one biased
+        (it leaves out a round's overheads) kept auto on a choice measured a quarter slower."""
         predicted = self.predicted_rate(batch, choice)
         if not self.was_measured(batch, choice):
             return predicted
@@ -435,8 +439,7 @@ class Controller:
             self.measured[key] = [0.0, 0.0, 0.0]
             return
         sums = self.measured[key]
-        for i, value in enumerate((committed, seconds, 1.0)):
-            sums[i] = sums[i] * DECAY + value
+        sums[0], sums[1], sums[2] = sums[0] * DECAY + committed, sums[1] * DECAY + seconds, sums[2] + 1
 
     def summary(self) -> dict:
         return {"auto_rounds_by_k": {str(c): n for c, n in self.rounds_by_choice.items()},
