@@ -12,6 +12,7 @@ import os
 import signal
 import statistics
 import time
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -742,6 +743,35 @@ WITH_SECRET = {**os.environ, "SAGUARO_DRAFT_SECRET": SECRET}
 def tiny_worker_config(draft_dir, address: str | None = None):
     return worker_config(str(draft_dir), "float32", 2, [1, 1, 1], address=address, timeout_s=30,
                          secret=SECRET if address else None)
+
+
+SLOW_ROWS = 400  # a batch whose fills take the worker longer than the timeout below
+
+
+@pytest.mark.parametrize("seen_running", [True, False])
+def test_a_worker_slower_than_its_timeout_is_kept_while_it_runs(tiny_target, tiny_draft_dir, seen_running,
+                                                                 monkeypatch):
+    """On a loaded machine a worker may get little of a core for a second or more, past a
+    timeout fitted to its quiet rounds. Here every answer takes longer than a 0.1 s timeout: a
+    worker seen running meanwhile (its CPU time grows) is kept; one seen not running (control:
+    its CPU time read as constant, as a stopped or deadlocked worker's is) is lost."""
+    if not seen_running:
+        monkeypatch.setattr(remote_client, "cpu_seconds", lambda pid: 1.0)
+    client = DraftClient(worker_config(str(tiny_draft_dir), "float32", 2, [7, 7, 7], timeout_s=30), None)
+    monkeypatch.setattr(client, "timeout_s", lambda: 0.1)
+    decoder = ssd_decoder(tiny_target, client, "neural")
+    seqs = [Sequence(i, PROMPT + [i % TINY_V], SamplingParams(temperature=1.0, max_tokens=6, seed=i), [])
+            for i in range(SLOW_ROWS)]
+    decoder.reserve(SLOW_ROWS, len(PROMPT) + 8 + decoder.lookahead)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decode_all(decoder, seqs)
+    decoder.close()
+    lost = ssd_of(decoder).pool.losses
+    if seen_running:
+        assert client.slow_answers > 0 and lost == 0, [str(w.message) for w in caught]
+    else:
+        assert lost > 0
 
 
 def test_two_engines_share_a_host_and_leave_no_process(tiny_target, tiny_draft_dir):

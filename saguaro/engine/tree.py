@@ -91,11 +91,13 @@ def walk(tokens: list[int], parents: list[int], target_probs: torch.Tensor,
         for child in kids[at + 1]:
             x = tokens[child]
             p_x = float(residual[x])
-            if u[child] < p_x or p_x >= 1.0:  # p_x rounded to 1 leaves nothing to renormalize
+            residual[x] = 0.0
+            rest = residual.sum()
+            # rest 0: x held all the mass (p_x short of 1 by round-off), nothing to renormalize
+            if u[child] < p_x or rest <= 0:
                 path.append(child)
                 at = child
                 break
-            residual[x] = 0.0
-            residual /= residual.sum()
+            residual /= rest
         else:
             return path, int(sample(residual[None], torch.tensor([u[-1]]))[0])

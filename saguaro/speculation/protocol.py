@@ -16,6 +16,7 @@ import hmac
 import os
 import pickle
 import secrets
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -337,6 +338,14 @@ class Channel:
             raise DraftUnavailable(str(e)) from e
         self.bytes_received += received
         return pickle.loads(data)
+
+    def readable(self, timeout_s: float) -> bool:
+        """Whether a message starts arriving (or the connection ends) within timeout_s. Over
+        NCCL, which cannot be polled: True at once, and recv's own timeout bounds the wait."""
+        if self.sock is None:
+            return True
+        ready, _, _ = select.select([self.sock], [], [], max(timeout_s, 0.0))
+        return bool(ready)
 
     def _sock_send(self, data: bytes, timeout_s: float | None) -> None:
         try:

@@ -43,6 +43,16 @@ class WorkerConfig:
     secret: str | None = field(default=None, repr=False)
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time a process has run so far (Linux's /proc); None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()  # the name, in parentheses, may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def same_gpu(a: str, b: str) -> bool:
     """Whether two device names are one GPU ("cuda" is "cuda:0")."""
     a, b = torch.device(a), torch.device(b)
@@ -88,6 +98,7 @@ class DraftClient:
             atexit.register(self._finalizer)
         self.exchange_s: deque[float] = deque(maxlen=32)  # recent request -> reply times
         self.fill_s: deque[float] = deque(maxlen=32)  # recent cache fills, which a Release or Prefill may wait out
+        self.slow_answers = 0  # timeouts a running worker outlasted (_await_reply)
         self.unseen_tokens = 0  # prompt tokens sent since the last reply: prefill work the worker has
         try:
             # A local worker that dies before it joins is noticed by polling it; one that dies
@@ -139,7 +150,8 @@ class DraftClient:
         if patient:
             deadline = max(deadline, start + self.config.timeout_s)
         try:
-            reply = self.channel.recv(timeout_s=max(deadline - time.perf_counter(), 1e-3))
+            deadline = self._await_reply(start, deadline)
+            reply = self.channel.recv(timeout_s=max(deadline - time.perf_counter(), self.config.min_timeout_s))
         except DraftUnavailable:
             self.alive = False
             raise
@@ -147,6 +159,21 @@ class DraftClient:
         self.fill_s.append(reply.fill_time_s)
         self.unseen_tokens = 0
         return reply
+
+    def _await_reply(self, start: float, deadline: float) -> float:
+        """Waits for the reply to start arriving; returns the deadline it is held to. A local
+        worker past its deadline that ran on a core meanwhile is slow, not hung (on a loaded
+        machine it may get little of a core for a second or more): it gets another timeout, for
+        as long as it keeps running, up to config.timeout_s in all. One that did not run
+        (stopped, deadlocked) is gone at its deadline, as is a worker elsewhere."""
+        ran = None if self.process is None else cpu_seconds(self.process.pid)
+        while not self.channel.readable(deadline - time.perf_counter()):
+            running = None if ran is None else cpu_seconds(self.process.pid)
+            if running is None or running <= ran or time.perf_counter() - start >= self.config.timeout_s:
+                raise DraftUnavailable("no answer within the timeout")
+            ran, deadline = running, time.perf_counter() + self.timeout_s()
+            self.slow_answers += 1
+        return deadline
 
     def release(self, seq_ids: list[int]) -> None:
         if self.alive and seq_ids:
