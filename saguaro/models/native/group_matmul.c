@@ -188,6 +188,12 @@ int saguaro_bf16_supported(void) {
  * turn, two threads, 1.06x (one thread 0.98x). */
 static int streams_alone;
 
+/* Whether R rows against tiles of tile_bytes a group (each multiply-add costing `cost` int8 ones:
+ * bf16's 2) are bound by the core rather than by memory: 4.5 multiply-adds or more a byte. */
+static inline __attribute__((always_inline)) int core_bound(int R, int64_t tile_bytes, int cost) {
+    return 2 * R * GROUP * TILE_OUT * cost >= 9 * tile_bytes;
+}
+
 __attribute__((constructor)) static void choose_prefetching(void) {
     __builtin_cpu_init();
     streams_alone = __builtin_cpu_is("amd");
@@ -205,7 +211,10 @@ __attribute__((target("avx512f,avx512bf16"))) static inline __attribute__((alway
         for (int c = 0; c < BF16_CHAINS; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t g = 0; g < in_features / GROUP; g++) {
         const uint8_t *tile = tiles + g * 1024;
-        if (R > 1 || !streams_alone) /* 4 KB ahead into L2 (tile_column); one row on AMD: the hardware's */
+        if (R > 1 && !core_bound(R, 1024, 2)) /* several rows bound by memory: into L1 (tile_column) */
+            for (int line = 0; line < 1024; line += 64)
+                _mm_prefetch((const char *)tile + 4 * 1024 + line, _MM_HINT_T0);
+        else if (R > 1 || !streams_alone) /* 4 KB ahead into L2; one row on AMD: the hardware's */
             for (int line = 0; line < 1024; line += 64)
                 _mm_prefetch((const char *)tile + 4 * 1024 + line, _MM_HINT_T1);
         for (int k = 0; k < 16; k += BF16_CHAINS)
@@ -281,14 +290,16 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
     const int width = code_width(bits), blocked = is_record(bits);
-    /* Several rows take the tiles PREFETCH_BYTES ahead into L2, on every CPU: on one core of a
-     * Zen 4 EPYC, six rows from memory ran 1.2-1.4x as fast so as with PREFETCH_TILES into L1
-     * (peak.py, 2 MB pages, medians, a shared machine). One row of the 4- and 8-bit kinds and of
-     * the K records but K6 streams faster on AMD's hardware prefetcher alone (from memory:
-     * 1.1-1.2x; K4 and K5 records 1.07-1.19x, K3 and K2 1.02-1.10x, K6 0.95-0.99x), K6 with its
-     * tiles PREFETCH_TILES ahead into L1; one core of a Xeon (with AMX) streams them faster
-     * fetched into L2: see streams_alone. */
-    const int into_l1 = R == 1 && streams_alone;
+    /* Products bound by the core rather than by memory (4.5 multiply-adds or more a byte of tiles:
+     * bf16 from 5 rows, 8-bit codes from 5, 6-bit from 4, 4- and 5-bit from 3) take the tiles
+     * PREFETCH_BYTES ahead into L2 on every CPU; those bound by memory PREFETCH_TILES ahead into
+     * L1 (one core of a Zen 4 EPYC, peak.py, from memory, medians, a shared machine: six rows
+     * into L2 at 47-68% of the int8 peak, into L1 at 36-53%; two rows into L1 1.1-1.3x as fast
+     * as into L2). One row of the 4- and 8-bit kinds and of the K records but K6 streams faster
+     * on AMD's hardware prefetcher alone (from memory: 1.1-1.2x; K4 and K5 records 1.07-1.19x,
+     * K3 and K2 1.02-1.10x, K6 0.95-0.99x); one core of a Xeon (with AMX) streams every product
+     * faster fetched into L2: see streams_alone. */
+    const int into_l1 = streams_alone && !core_bound(R, tile_bytes, 1);
     const int64_t ahead = into_l1 ? PREFETCH_TILES * tile_bytes : PREFETCH_BYTES;
     const int prefetched = R > 1 || !streams_alone || !(bits == 4 || bits == SYM4 || bits == NL4 || bits == 8
                                                         || bits == K4 || bits == K5 || bits == K3 || bits == K2);
