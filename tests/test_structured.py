@@ -39,7 +39,7 @@ from test_trees import SHAPE, TREE, peaked_model, switching_decoder
 
 EOS = 0
 TINY_VOCAB = {"<eos>": EOS, "a": 1, "b": 2, "ab": 3, "c": 4, "x": 5, "[": 6, "]": 7}
-ROWS = 3_000
+ROWS = 2_000
 NEW = 8
 # Choices at most positions: c or x; then the end, "a" or "ab". After "a" only "b" is legal:
 # forced, proposed without a draft and committed with probability 1.
