@@ -170,11 +170,13 @@ class LLM:
     def _output(self, samples: list[Sequence], prompt: Prompt) -> RequestOutput:
         k = self.decoder.num_speculative_tokens
         outputs = [CompletionOutput(j, s.text, s.output_ids, s.finish_reason,
-                                    RequestMetrics.of(s.stats, len(s.output_ids), k)) for j, s in enumerate(samples)]
+                                    RequestMetrics.of(s.stats, len(s.output_ids), k),
+                                    s.logprobs if s.params.logprobs is not None else None)
+                   for j, s in enumerate(samples)]
         first = outputs[0]
         return RequestOutput(request_id=samples[0].seq_id, prompt=prompt, prompt_token_ids=samples[0].prompt_ids,
                              text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
-                             metrics=first.metrics, outputs=outputs)
+                             metrics=first.metrics, outputs=outputs, prompt_logprobs=samples[0].prompt_logprobs)
 
 
 def admission_limits(config: EngineConfig, kv_bytes: int) -> AdmissionLimits:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from saguaro.engine.logprobs import TokenLogprobs
 from saguaro.engine.sequence import SequenceStats
 
 
@@ -48,6 +49,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str
     metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None = None  # one per output token (SamplingParams.logprobs)
 
 
 @dataclass
@@ -62,3 +64,4 @@ class RequestOutput:
     finish_reason: str
     metrics: RequestMetrics
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, the first None

@@ -65,6 +65,7 @@ class Choice:
 
 
 AR = Choice()
+JUMP_FORWARD = 16  # the most grammar-forced tokens a round commits without a draft (forced_proposal)
 WAITED = 1.25  # a round whose thread ran for less than 1 / WAITED of it waited (RoundRecord.waited)
 
 
@@ -179,6 +180,21 @@ class FixedPolicy:
             proposer.close()
 
 
+def forced_proposal(seqs: list[Sequence]) -> Proposal | None:
+    """Jump-forward in a round without a draft: the tokens each sequence's grammar forces next
+    (each the only legal token where it stands: probability 1 under the constrained target),
+    proposed as chains that verification accepts and commits with the target's token after
+    them, in one pass. None when no grammar forces anything. A run stops at max_tokens, so it
+    stays within the KV slots reserved for the sequence."""
+    runs = [s.processor.forced(min(JUMP_FORWARD, s.params.max_tokens - len(s.output_ids)))
+            if s.processor is not None else [] for s in seqs]
+    if not any(runs):
+        return None
+    width = max(len(r) for r in runs)
+    return Proposal(torch.tensor([r + [0] * (width - len(r)) for r in runs]), None,
+                    parents=[list(range(-1, len(r) - 1)) for r in runs])
+
+
 class Decoder:
     """What the engine loop drives. Invariant: a sequence's target KV cache row holds all its
     tokens but the last one, which is the input of its next target pass. A decoder works on
@@ -233,7 +249,7 @@ class Decoder:
             self.reserved.append(proposer)
         lengths_before = [len(s) for s in seqs]
         started, started_cpu = time.perf_counter(), time.thread_time()
-        proposal = proposer.propose(seqs, choice.k, choice.tree) if proposer is not None else None
+        proposal = proposer.propose(seqs, choice.k, choice.tree) if proposer is not None else forced_proposal(seqs)
         proposed = time.perf_counter()
         if proposal is None:
             outcomes, hidden = self.verifier.decode(seqs)
@@ -248,7 +264,7 @@ class Decoder:
             for reader in readers:
                 reader.keep_hidden(seqs, ran)
         self.counters.observe(record)
-        if proposal is not None:
+        if proposal is not None and proposer is not None:
             proposer.observe(record)
         self.policy.observe(record)
         return record

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from saguaro.engine.structured import StructuredOutputs
+
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n seeds derived from one seed are distinct
 
@@ -25,10 +27,22 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # independent samples of the prompt
+    # processing (saguaro.engine.processing), applied alike to the target and the drafts
+    presence_penalty: float = 0.0  # OpenAI's, [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI's, [-2, 2]
+    repetition_penalty: float = 1.0  # HF's, > 0; 1: off
+    logit_bias: dict[int, float] | None = None  # token id -> added to its raw logit, [-100, 100]
+    min_p: float = 0.0  # tokens below min_p times the likeliest one's probability dropped
+    min_tokens: int = 0  # stop tokens masked before this many output tokens
+    logprobs: int | None = None  # the chosen token's log-probability and the top k (0..20); None: none
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    logprobs_mode: str = "raw"  # "raw": the target's log-softmax; "processed": after processing (see LLM.generate)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_processing()
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -51,6 +65,39 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether logits need processing before `warp` (min_p is part of warp)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.structured_outputs is not None)
+
+    def _check_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias must map token ids to numbers") from None
+            bad = [k for k, v in self.logit_bias.items() if k < 0 or not -100 <= v <= 100]
+            if bad:
+                raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-100, 100] (token {bad[0]})")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise ValueError(f"{name} must be in 0..20, got {value}")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+
 
 @dataclass
 class WarpParams:
@@ -62,6 +109,7 @@ class WarpParams:
     # known on the host, so that warping never waits for the device to say so
     any_greedy: bool = True
     any_filter: bool = True  # some row has top-k or top-p
+    min_p: torch.Tensor | None = None  # [N]; None: no row has min-p
 
     @classmethod
     def of(cls, params: list[SamplingParams], device="cpu") -> "WarpParams":
@@ -70,12 +118,14 @@ class WarpParams:
         return cls(column([p.temperature for p in params]), column([p.top_k for p in params]),
                    column([p.top_p for p in params]),
                    all(p.greedy for p in params), any(p.greedy for p in params),
-                   any(p.top_k > 0 or p.top_p < 1 for p in params))
+                   any(p.top_k > 0 or p.top_p < 1 for p in params),
+                   column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None)
 
     def repeat(self, n: int) -> "WarpParams":
         """Each row's parameters n times in a row (for [B, n, V] logits flattened to [B*n, V])."""
         return replace(self, temperature=self.temperature.repeat_interleave(n),
-                       top_k=self.top_k.repeat_interleave(n), top_p=self.top_p.repeat_interleave(n))
+                       top_k=self.top_k.repeat_interleave(n), top_p=self.top_p.repeat_interleave(n),
+                       min_p=None if self.min_p is None else self.min_p.repeat_interleave(n))
 
 
 def warp(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
@@ -86,6 +136,8 @@ def warp(logits: torch.Tensor, params: WarpParams) -> torch.Tensor:
     if params.any_filter:
         scaled = _mask_top_k_top_p(scaled, params.top_k, params.top_p)
     probs = torch.softmax(scaled, dim=-1)
+    if params.min_p is not None:
+        probs = _min_p(probs, params.min_p)
     if params.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
@@ -101,6 +153,12 @@ def _mask_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     mass_before = probs.cumsum(-1) - probs  # keep the smallest prefix whose mass reaches top_p
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+
+
+def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops the tokens below min_p times the likeliest one's probability, renormalized."""
+    kept = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def uniforms(generators: list[torch.Generator], n: int) -> torch.Tensor:

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from saguaro.engine.detokenizer import Detokenizer, Tokenizer
+from saguaro.engine.logprobs import TokenLogprobs
+from saguaro.engine.processing import LogitsProcessor
 from saguaro.engine.sampler import SamplingParams
+from saguaro.engine.structured import GrammarMatcher, grammar_tokenizer
 
 
 @dataclass
@@ -43,6 +46,19 @@ class Sequence:
         self.finish_reason: str | None = None
         self.detokenizer = Detokenizer(tokenizer, params.stop) if tokenizer is not None else None
         self.stats = SequenceStats(prompt_len=len(prompt_ids), t_arrival=time.perf_counter())
+        grammar = None
+        if params.structured_outputs is not None:
+            if tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer")
+            grammar = GrammarMatcher(params.structured_outputs, grammar_tokenizer(tokenizer, eos_token_ids))
+        # None for a request without penalties, bias, min_tokens or a grammar: no processing at all
+        self.processor = LogitsProcessor.of(params, self.stop_ids, grammar)
+        self.logprobs: list[TokenLogprobs] = []  # one per output token, when params.logprobs is set
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None  # position 0: None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -60,19 +76,26 @@ class Sequence:
         """The output's text so far: whole characters, cut before the first stop string."""
         return self.detokenizer.text if self.detokenizer is not None else ""
 
-    def commit(self, tokens: list[int]) -> int:
+    def commit(self, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> int:
         """Appends tokens up to and including the first that ends the sequence: a stop token
-        (kept in token ids, as in vLLM), the token in which a stop string completes, or the
-        max_tokens-th. The rest are dropped, so every decoder, whatever it commits per round,
-        keeps what one-token-at-a-time decoding would. Returns how many were kept."""
+        (kept in token ids, as in vLLM), the token in which a stop string completes, the one
+        that completes its grammar, or the max_tokens-th. The rest are dropped, so every
+        decoder, whatever it commits per round, keeps what one-token-at-a-time decoding would.
+        logprobs: the tokens' entries, kept with them. Returns how many were kept."""
         kept = 0
         for token in tokens:
             if self.finished:
                 break
+            if self.processor is not None and not self.processor.commit(token):
+                raise RuntimeError(f"sequence {self.seq_id}: token {token} breaks its grammar (a bug: "
+                                   f"every method samples from the grammar's mask)")
+            if logprobs is not None:
+                self.logprobs.append(logprobs[kept])
             kept += 1
             self.output_ids.append(token)
             stop_string = self.detokenizer is not None and self.detokenizer.add(token)
-            if token in self.stop_ids or stop_string:
+            grammar_done = self.processor is not None and self.processor.grammar_finished
+            if token in self.stop_ids or stop_string or grammar_done:
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.params.max_tokens:
                 self.finish_reason = "length"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from saguaro.engine.logprobs import token_logprobs
+from saguaro.engine.processing import chain_contexts, process_rows, tree_contexts
 from saguaro.engine.proposal import Outcome, Proposal
-from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
+from saguaro.engine.runner import forward_chunks, prefill_chunks
 from saguaro.engine.sampler import WarpParams, sample, uniforms, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.tree import walk, walk_greedy
@@ -15,8 +17,27 @@ from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
 
 
+def processed(logits: torch.Tensor, seqs: list[Sequence], contexts: list[list[list[int]]]) -> torch.Tensor:
+    """The sequences' processed logits (saguaro.engine.processing) at positions after their
+    committed text and contexts[i][j]: logits [B, T, V]; the same tensor when none processes."""
+    return process_rows(logits, [s.processor for s in seqs], [s.prompt_ids for s in seqs],
+                        [s.output_ids for s in seqs], contexts)
+
+
+def commit_with_logprobs(seq: Sequence, tokens: list[int], raw: torch.Tensor, final: torch.Tensor) -> None:
+    """Commits tokens, chosen at the positions whose logits are raw / final [len(tokens), V]
+    (before / after processing), with their log-probabilities where the request asks for them."""
+    params = seq.params
+    entries = None
+    if params.logprobs is not None:
+        logits = raw if params.logprobs_mode == "raw" else final
+        temperature = params.temperature if params.logprobs_mode == "processed" and not params.greedy else 1.0
+        entries = token_logprobs(logits, tokens, params.logprobs, temperature)
+    seq.commit(tokens, entries)
+
+
 def sample_next(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """Each sequence's next token from its logits [B, V], with its own parameters and stream."""
+    """Each sequence's next token from its (processed) logits [B, V], with its own parameters and stream."""
     if all(s.params.greedy for s in seqs):  # the argmax the one-hot distribution would sample, without building it
         return logits.argmax(-1).tolist()
     params = WarpParams.of([s.params for s in seqs], logits.device)
@@ -54,24 +75,44 @@ class Verifier:
         return self.prefix_cache.summary() if self.prefix_cache is not None else {}
 
     def prefill(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """Runs the prompts (what the prefix cache lacks of them) and commits each first token."""
+        """Runs the prompts (what the prefix cache lacks of them) and commits each first token.
+        Prompts whose log-probabilities are wanted run whole (their cached KV entries come
+        without the logits)."""
         self.rows.assign([s.seq_id for s in seqs], self.cache.num_rows)
-        chunks = [s.prompt_ids for s in seqs]
-        hidden, starts = prefill_chunks(self.target, self.cache, self._rows(seqs), chunks, self.prefix_cache)
-        tails = [chunk[start:] for chunk, start in zip(chunks, starts)]
-        first = sample_next(self.target.logits(last_hidden(hidden, tails)), seqs)
-        for seq, token, start in zip(seqs, first, starts):
+        rows = self._rows(seqs)
+        whole = [i for i, s in enumerate(seqs) if s.params.prompt_logprobs is not None]
+        hidden: list[torch.Tensor | None] = [None] * len(seqs)
+        starts = [0] * len(seqs)
+        for group, prefix_cache in (([i for i in range(len(seqs)) if i not in whole], self.prefix_cache),
+                                    (whole, None)):
+            if not group:
+                continue
+            chunks = [seqs[i].prompt_ids for i in group]
+            ran, group_starts = prefill_chunks(self.target, self.cache, [rows[i] for i in group], chunks, prefix_cache)
+            for j, i in enumerate(group):
+                starts[i] = group_starts[j]
+                hidden[i] = ran[j, :len(chunks[j]) - group_starts[j]]
+        for i in whole:
+            seq = seqs[i]
+            logits = self.target.logits(hidden[i][:-1])
+            seq.prompt_logprobs = [None] + token_logprobs(logits, seq.prompt_ids[1:], seq.params.prompt_logprobs)
+        raw = self.target.logits(torch.stack([h[-1] for h in hidden]))[:, None]
+        final = processed(raw, seqs, [[[]] for _ in seqs])
+        first = sample_next(final[:, 0], seqs)
+        for i, (seq, token, start) in enumerate(zip(seqs, first, starts)):
             seq.stats.cached_tokens = start
-            seq.commit([token])
-        return [hidden[i, :len(tail)] for i, tail in enumerate(tails)]
+            commit_with_logprobs(seq, [token], raw[i], final[i])
+        return hidden
 
     def decode(self, seqs: list[Sequence]) -> tuple[list[Outcome], torch.Tensor]:
         """An AR round: one target pass over each sequence's last token, one token committed."""
         chunks = [[s.token_ids[-1]] for s in seqs]
         hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
-        tokens = sample_next(self.target.logits(hidden[:, 0]), seqs)
-        for seq, token in zip(seqs, tokens):
-            seq.commit([token])
+        raw = self.target.logits(hidden[:, :1])
+        final = processed(raw, seqs, [[[]] for _ in seqs])
+        tokens = sample_next(final[:, 0], seqs)
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            commit_with_logprobs(seq, [token], raw[i], final[i])
         return [Outcome(0, token) for token in tokens], hidden
 
     @property
@@ -100,7 +141,11 @@ class Verifier:
             drafts = draft_tokens.tolist()
             hidden = forward_chunks(self.target, self.cache, self._rows(seqs),
                                     [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)], starts)
-        logits = self.target.logits(hidden)
+        raw = logits = self.target.logits(hidden)
+        if any(s.processor is not None for s in seqs):
+            if self.device_side:
+                drafts = draft_tokens.tolist()
+            logits = processed(raw, seqs, [chain_contexts(d) for d in drafts])
         if all(s.params.greedy for s in seqs) and not self.device_side:
             outcomes = verify_greedy(drafts, logits.argmax(-1).tolist())
         else:
@@ -118,8 +163,9 @@ class Verifier:
             host = torch.cat((draft_tokens, accepted_len[:, None], bonus[:, None]), 1).tolist()
             drafts = [row[:K] for row in host]
             outcomes = [Outcome(row[K], row[K + 1]) for row in host]
-        for seq, drafted, outcome in zip(seqs, drafts, outcomes):
-            seq.commit(drafted[:outcome.accepted_len] + [outcome.bonus_token])
+        for i, (seq, drafted, outcome) in enumerate(zip(seqs, drafts, outcomes)):
+            n = outcome.accepted_len + 1
+            commit_with_logprobs(seq, drafted[:outcome.accepted_len] + [outcome.bonus_token], raw[i, :n], logits[i, :n])
         return outcomes, hidden
 
     def verify_tree(self, seqs: list[Sequence], draft_tokens: torch.Tensor,
@@ -135,7 +181,8 @@ class Verifier:
         rows = self._rows(seqs)
         hidden = forward_chunks(self.target, self.cache, rows, chunks, starts,
                                 parents=[[-1] + [p + 1 for p in row] for row in parents])
-        logits = self.target.logits(hidden)
+        raw = logits = self.target.logits(hidden)
+        logits = processed(raw, seqs, [tree_contexts(n, p) for n, p in zip(nodes, parents)])
         if all(s.params.greedy for s in seqs):
             argmax = logits.argmax(-1).tolist()
             walks = [walk_greedy(n, p, a) for n, p, a in zip(nodes, parents, argmax)]
@@ -150,9 +197,9 @@ class Verifier:
         for i, (seq, (path, bonus)) in enumerate(zip(seqs, walks)):
             start = starts[i]
             self.cache.move(rows[i], [start + 1 + j for j in path], list(range(start + 1, start + 1 + len(path))))
-            seq.commit([nodes[i][j] for j in path] + [bonus])
-            outcomes.append(Outcome(len(path), bonus))
             ran = [0] + [1 + j for j in path]
+            commit_with_logprobs(seq, [nodes[i][j] for j in path] + [bonus], raw[i, ran], logits[i, ran])
+            outcomes.append(Outcome(len(path), bonus))
             hidden[i, :len(ran)] = hidden[i, ran]
         return outcomes, hidden
 

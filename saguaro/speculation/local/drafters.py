@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from saguaro.config import TreeShape
+from saguaro.engine.processing import LogitsProcessor, process_rows
 from saguaro.engine.proposal import Proposal
 from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
@@ -25,6 +26,9 @@ from saguaro.speculation.local.lookup import lookups, ngram_guess
 
 # reshape(i, probs, logits) -> the distribution draft token i is really sampled from
 Reshape = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# constrain(logits [B, T, vocabulary], contexts [B][T]) -> the rows' processed logits after each
+# row's committed text and its drafted tokens contexts[b][t] (saguaro.engine.processing)
+Constrain = Callable[[torch.Tensor, list[list[list[int]]]], torch.Tensor]
 
 
 class Drafted(Protocol):
@@ -33,6 +37,30 @@ class Drafted(Protocol):
     token_ids: list[int]  # committed tokens, prompt included
     params: SamplingParams
     generator: torch.Generator  # the sequence's own random stream
+    processor: LogitsProcessor | None  # its penalties, bias, grammar (None: none)
+    prompt_len: int
+
+
+def constraint(seqs: list[Drafted]) -> Constrain | None:
+    """The sequences' processing as drafts apply it, so they draft what the target may accept
+    (under a grammar, an unconstrained draft's tokens would mostly be rejected); None when no
+    sequence processes its logits."""
+    if all(s.processor is None for s in seqs):
+        return None
+    processors = [s.processor for s in seqs]
+    prompts = [s.token_ids[:s.prompt_len] for s in seqs]
+    outputs = [s.token_ids[s.prompt_len:] for s in seqs]
+    return lambda logits, contexts: process_rows(logits, processors, prompts, outputs, contexts)
+
+
+def constrained_head_logits(model: LlamaModel, hidden: torch.Tensor, constrain: Constrain | None,
+                            contexts: list[list[list[int]]]) -> torch.Tensor:
+    """The draft's logits over its head rows [B, T, head rows] for hidden [B, T, hidden], processed
+    where constrain is given (over the vocabulary, then read back at the head's rows)."""
+    if constrain is None:
+        return model.head_logits(hidden)
+    logits = constrain(model.logits(hidden), contexts)
+    return logits if model.config.head_vocab_size is None else logits[..., model.head_token_ids]
 
 
 class Drafter(ABC):
@@ -101,7 +129,7 @@ class FeatureLog:
 def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]],
                          starts: list[int], params: WarpParams, k: int, u: torch.Tensor | None,
                          reshape: Reshape | None = None,
-                         features: list[torch.Tensor] | None = None
+                         features: list[torch.Tensor] | None = None, constrain: Constrain | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Feeds each row's pending chunk, then drafts k tokens one at a time, sampling with the
     uniforms u [B, k] (None where every row is greedy). An EAGLE draft reads `features` with
@@ -110,7 +138,7 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
     Sampling happens over the model's head rows (`head_logits`): a reduced head holds all the
     mass at a fraction of the vocabulary's width. reshape may change the distribution a draft
     token is sampled from (Saguaro sampling); the returned distributions are the ones really
-    sampled from.
+    sampled from. constrain: the rows' processing (penalties, grammar) along the drafted tokens.
     Returns tokens [B, K] (vocabulary ids) and distributions over the head rows [B, K, H]
     (`model.to_vocab` widens them), or None when every row is greedy (the drafts are then
     argmaxes: point masses, which verification rebuilds from the tokens); and the hidden
@@ -118,9 +146,10 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
     hidden = last_hidden(forward_chunks(model, cache, rows, chunks, starts, features), chunks)
     ends = [s + len(c) for s, c in zip(starts, chunks)]
     tokens, probs, hiddens = [], [], []
+    drafted: list[list[int]] = [[] for _ in chunks]
     for i in range(k):
         hiddens.append(hidden)
-        logits = model.head_logits(hidden)
+        logits = constrained_head_logits(model, hidden[:, None], constrain, [[d] for d in drafted])[:, 0]
         if params.all_greedy:
             token = model.head_token(logits.argmax(-1))
         else:
@@ -130,6 +159,8 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
             token = model.head_token(sample(q, u[:, i]))
             probs.append(q)
         tokens.append(token)
+        if constrain is not None:
+            drafted = [d + [t] for d, t in zip(drafted, token.tolist())]
         if i < k - 1:
             own = list(hidden[:, None]) if model.reads_features else None
             hidden = forward_chunks(model, cache, rows, token[:, None], [e + i for e in ends], own)[:, 0]
@@ -256,7 +287,8 @@ class DraftModelDrafter(Drafter):
         u = None if params.all_greedy else uniforms([s.generator for s in seqs], self.k).to(device, non_blocking=True)
         result = autoregressive_draft(self.model, self.kv_cache, self.rows[[s.seq_id for s in seqs]], chunks,
                                       starts, params, self.k, u, self.reshape,
-                                      self.features_for(seqs, starts, [len(s.token_ids) for s in seqs]))
+                                      self.features_for(seqs, starts, [len(s.token_ids) for s in seqs]),
+                                      constraint(seqs))
         for seq in seqs:
             self.cached_len[seq.seq_id] = len(seq.token_ids) + self.kept_after_draft
         return result

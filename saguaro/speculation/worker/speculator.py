@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from saguaro.config import Backup, checked_fan_out
+from saguaro.engine.processing import LogitsProcessor
 from saguaro.engine.proposal import Outcome
 from saguaro.engine.runner import forward_chunks, last_hidden, run_pass
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
@@ -32,6 +33,8 @@ class DraftSequence:
     token_ids: list[int]  # committed tokens
     params: SamplingParams
     generator: torch.Generator
+    prompt_len: int = 0
+    processor: LogitsProcessor | None = None  # its penalties, bias, grammar, as the target applies them
     spec: list[int] = field(default_factory=list)  # the speculation being verified
     # EAGLE drafts: the draft's own feature each token of the speculation was drawn from
     # ([K, hidden]; None after the fast backup or a lookup).
@@ -114,7 +117,7 @@ class Speculator:
             # independent of the target's stream, and of earlier incarnations' streams
             seed = (p.seed if p.seed is not None else sid) * 2654435761 + 1 + self.incarnation * 0x9E3779B97F4A7C15
             gen = torch.Generator().manual_seed(seed % (2 ** 63))
-            self.seqs[sid] = DraftSequence(sid, list(ids), p, gen)
+            self.seqs[sid] = DraftSequence(sid, list(ids), p, gen, len(ids) - 1)
             new.append(self.seqs[sid])
         self._keep_features(seq_ids, features)
         self.drafter.prefill(new)

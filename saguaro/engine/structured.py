@@ -1,0 +1,159 @@
+"""Structured outputs: what a request's output must match, compiled by llguidance into a matcher
+that gives each position's mask of legal tokens (docs/DESIGN.md, section 2.8).
+
+The matcher follows a sequence's committed tokens; verification moves it along the drafted
+tokens and back (`GrammarMatcher.masks`), so it always ends where the committed text is.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import llguidance
+import numpy
+import torch
+
+# JSON as most models write it (json.dumps' separators), so that their likely tokens stay legal;
+# no free whitespace between items, which would let a model pad without end
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass
+class StructuredOutputs:
+    """Exactly one constraint: a JSON schema (a dict or its text), any JSON object, a regex, one
+    of a list of strings, or a grammar in llguidance's Lark dialect (which can embed a JSON
+    schema with `%json { ... }`). strict=False lets a schema use keywords llguidance does not
+    enforce (they are ignored); strict=True refuses such a schema."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    strict: bool = True
+
+    def __post_init__(self):
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: exactly one of json, json_object, regex, choice, grammar "
+                             f"must be set, got {given or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, list)
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a list of non-empty strings")
+        error = llguidance.LLMatcher.validate_grammar(self.llguidance_grammar())
+        if error:
+            raise ValueError(f"structured_outputs.{given[0]}: {error}")
+
+    def llguidance_grammar(self) -> str:
+        """The constraint as llguidance's grammar text."""
+        if self.json is not None or self.json_object:
+            schema = self.json if self.json is not None else {"type": "object"}
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("structured_outputs.json must be a JSON schema object")
+            options = dict(JSON_OPTIONS, lenient=not self.strict)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        if self.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return llguidance.LLMatcher.grammar_from_regex("|".join(f"({re.escape(c)})" for c in self.choice))
+        return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+
+
+_grammar_tokenizers: dict[int, tuple[object, llguidance.LLTokenizer]] = {}
+
+
+def grammar_tokenizer(tokenizer, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of a tokenizer (0.24 s to build for 49k tokens, 3.5 s for 262k), built
+    once per tokenizer object. Takes saguaro's FolderTokenizer or a transformers fast tokenizer,
+    or the tokenizer.json text itself (what the SSD worker is sent)."""
+    key = id(tokenizer)
+    if key not in _grammar_tokenizers:
+        if isinstance(tokenizer, str):
+            text = tokenizer
+        else:
+            backend = getattr(tokenizer, "backend", None) or getattr(tokenizer, "backend_tokenizer", None)
+            if backend is None:
+                raise ValueError("structured outputs need a tokenizer backed by the `tokenizers` library")
+            text = backend.to_str()
+        _grammar_tokenizers[key] = (tokenizer, llguidance.LLTokenizer(text, eos_token=list(eos_token_ids)))
+    return _grammar_tokenizers[key][1]
+
+
+def tokenizer_json(tokenizer) -> str:
+    """The tokenizer.json text llguidance reads, to send where only token ids are (the SSD worker)."""
+    backend = getattr(tokenizer, "backend", None) or getattr(tokenizer, "backend_tokenizer", None)
+    return backend.to_str()
+
+
+class GrammarMatcher:
+    """One sequence's matcher: it has consumed exactly the sequence's committed output."""
+
+    def __init__(self, spec: StructuredOutputs, tokenizer: llguidance.LLTokenizer):
+        self.matcher = llguidance.LLMatcher(tokenizer, spec.llguidance_grammar(), log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"structured_outputs: {self.matcher.get_error()}")
+        self.vocab_size = tokenizer.vocab_size
+
+    def commit(self, token: int) -> bool:
+        """Advances over a committed token; False when the grammar did not allow it."""
+        return self.matcher.consume_token(token)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and allows nothing more (but EOS)."""
+        return self.matcher.is_stopped()
+
+    def _mask_into(self, row: numpy.ndarray) -> None:
+        """Writes the legal tokens as bools into row (tokens past llguidance's vocabulary: illegal)."""
+        # one byte per token, 0 where it is illegal, read as bools in place: numpy, because a
+        # torch comparison over the vocabulary costs more than llguidance's whole mask
+        allowed = numpy.frombuffer(self.matcher.compute_logit_bias(), dtype=numpy.bool_)
+        n = min(len(allowed), len(row))
+        row[:n] = allowed[:n]
+
+    def masks(self, contexts: list[list[int]], width: int) -> torch.Tensor:
+        """[T, width] bool: the legal tokens after the committed text and contexts[j] (drafted
+        tokens). A context holding a token the grammar forbids cannot be reached (verification
+        rejects that token first): its row allows everything. The matcher ends where it began."""
+        rows = numpy.zeros((len(contexts), width), dtype=numpy.bool_)
+        consumed: list[int] = []
+        for j, context in enumerate(contexts):
+            shared = 0
+            while shared < min(len(consumed), len(context)) and consumed[shared] == context[shared]:
+                shared += 1
+            if len(consumed) > shared:
+                self.matcher.rollback(len(consumed) - shared)
+                del consumed[shared:]
+            rest = context[shared:]
+            if rest and self.matcher.validate_tokens(rest) < len(rest):
+                rows[j] = True
+                continue
+            if rest:
+                self.matcher.consume_tokens(rest)
+                consumed += rest
+            self._mask_into(rows[j])
+        if consumed:
+            self.matcher.rollback(len(consumed))
+        return torch.from_numpy(rows)
+
+    def forced(self, limit: int, stop_ids: set[int]) -> list[int]:
+        """The tokens the grammar forces next (each the only legal token where it stands, so of
+        probability 1 under the constrained target), up to limit and short of a stop token."""
+        run: list[int] = []
+        while len(run) < limit and not self.matcher.is_stopped():
+            row = numpy.zeros(self.vocab_size, dtype=numpy.bool_)
+            self._mask_into(row)
+            allowed = row.nonzero()[0]
+            if len(allowed) != 1 or int(allowed[0]) in stop_ids:
+                break
+            token = int(allowed[0])
+            self.matcher.consume_token(token)
+            run.append(token)
+        if run:
+            self.matcher.rollback(len(run))
+        return run

@@ -1,0 +1,303 @@
+"""Structured outputs and sampling controls are exact under every method.
+
+A request's processed distribution (saguaro.engine.processing: logit bias, penalties,
+min_tokens, a grammar's mask) is what each position samples from, whether it is decoded AR,
+verified in a chain, a tree or an SSD round, or forced by the grammar (jump-forward).
+Statistical checks on tiny models compare every committed token with a reference written
+here, one position at a time from the committed text alone (its own llguidance matcher and
+penalty counts), by the pooled PIT test of tests/stats.py. Each has a broken control that
+must fail: the verifier comparing against the unprocessed target, penalties not advanced along
+the draft, a forced token committed where a stop token was legal too. Greedy SD, SSD, trees and
+auto commit AR's tokens on real prompts under a JSON schema, a regex, penalties and a bias.
+"""
+from __future__ import annotations
+
+import json
+
+import llguidance
+import numpy
+import pytest
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models
+
+import saguaro.engine.verifier as verification
+from drafts import InProcessDraft, sd_decoder, ssd_decoder, worker_config
+from saguaro import LLM, SamplingParams
+from saguaro.engine import structured
+from saguaro.engine.processing import LogitsProcessor, chain_contexts
+from saguaro.engine.runner import forward_chunks
+from saguaro.engine.sampler import WarpParams, warp
+from saguaro.engine.sequence import Sequence
+from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, grammar_tokenizer
+from saguaro.models import hub
+from saguaro.models.kv_cache import new_cache
+from saguaro.models.tokenizer import FolderTokenizer
+from saguaro.speculation.build import ar_decoder
+from stats import ks_pvalue, randomized_pit
+from test_exactness import ALPHA, PROMPT, TINY_K, TINY_V, tiny_model
+from test_trees import SHAPE, TREE, peaked_model, switching_decoder
+
+EOS = 0
+TINY_VOCAB = {"<eos>": EOS, "a": 1, "b": 2, "ab": 3, "c": 4, "x": 5, "[": 6, "]": 7}
+ROWS = 3_000
+NEW = 8
+# Choices at most positions: c or x; then the end, "a" or "ab". After "a" only "b" is legal:
+# forced, proposed without a draft and committed with probability 1.
+PATTERN = "(ab[cx])+"
+# After three rounds "x" or the end: where a forced-token check that ignores stop tokens breaks.
+ENDING = "(ab[cx]){1,3}x?"
+PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={3: 1.5, 5: -1.0})
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory) -> FolderTokenizer:
+    """A byte-level BPE over TINY_VOCAB ("a" + "b" merge into "ab"), as a tokenizer folder."""
+    tokenizer = Tokenizer(models.BPE(dict(TINY_VOCAB), [("a", "b")]))
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])
+    folder = tmp_path_factory.mktemp("tiny-tokenizer")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return FolderTokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return peaked_model()
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_model(seed=11, layers=1)
+
+
+def params_of(temperature: float, rows: int, pattern: str | None = PATTERN, **options) -> list[SamplingParams]:
+    constraint = StructuredOutputs(regex=pattern) if pattern else None
+    return [SamplingParams(temperature=temperature, max_tokens=NEW, seed=i, structured_outputs=constraint, **options)
+            for i in range(rows)]
+
+
+def prompts(rows: int) -> list[list[int]]:
+    return [PROMPT + [1 + i % (TINY_V - 1)] for i in range(rows)]
+
+
+def decode(decoder, params: list[SamplingParams], tokenizer) -> list[list[int]]:
+    seqs = [Sequence(i, prompt, p, [EOS], tokenizer) for i, (prompt, p) in enumerate(zip(prompts(len(params)), params))]
+    decoder.reserve(len(seqs), len(PROMPT) + 1 + NEW + decoder.lookahead)
+    decoder.prefill(seqs)
+    while active := [s for s in seqs if not s.finished]:
+        decoder.step(active)
+        decoder.release([s for s in active if s.finished])
+    return [s.output_ids for s in seqs]
+
+
+def reference_probs(model, params: SamplingParams, prompt: list[int], output: list[int], tokenizer,
+                    logits: torch.Tensor) -> torch.Tensor:
+    """The distribution of each output token, from logits [len(output), V] at its position:
+    processed here position by position (the bias, HF's repetition penalty over prompt and
+    output, OpenAI's frequency and presence penalties over the output, the grammar's mask from a
+    matcher of its own), then warped."""
+    matcher = None
+    if params.structured_outputs is not None:
+        grammar = params.structured_outputs.llguidance_grammar()
+        matcher = llguidance.LLMatcher(grammar_tokenizer(tokenizer, [EOS]), grammar, log_level=0)
+    rows = []
+    for t, token in enumerate(output):
+        row = logits[t].double().clone()
+        for i, bias in (params.logit_bias or {}).items():
+            row[i] += bias
+        counts = torch.bincount(torch.tensor(output[:t], dtype=torch.long), minlength=TINY_V).double()
+        seen = (counts > 0) | torch.isin(torch.arange(TINY_V), torch.tensor(prompt))
+        r = params.repetition_penalty
+        row = torch.where(seen, torch.where(row > 0, row / r, row * r), row)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).double()
+        if matcher is not None:
+            allowed = numpy.frombuffer(matcher.compute_logit_bias(), dtype=numpy.bool_)[:TINY_V].copy()
+            row[~torch.from_numpy(allowed)] = float("-inf")
+            assert matcher.consume_token(token), f"token {token} breaks the grammar after {output[:t]}"
+        rows.append(row.float())
+    return warp(torch.stack(rows), WarpParams.of([params] * len(output)))
+
+
+def pvalue(model, params: list[SamplingParams], outputs: list[list[int]], tokenizer) -> float:
+    """The pooled PIT test of every output token under reference_probs."""
+    probs, tokens = [], []
+    for prompt, p, output in zip(prompts(len(params)), params, outputs):
+        chunk = prompt + output[:-1]
+        cache = new_cache(model, 1, len(chunk) + 1)
+        hidden = forward_chunks(model, cache, [0], [chunk], [0])
+        logits = model.logits(hidden[0, len(prompt) - 1:])
+        probs.append(reference_probs(model, p, prompt, output, tokenizer, logits))
+        tokens += output
+    v = torch.rand(len(tokens), generator=torch.Generator().manual_seed(0))
+    return ks_pvalue(randomized_pit(torch.cat(probs), torch.tensor(tokens), v))
+
+
+def in_process_ssd(target, tmp_path_factory, draft):
+    from saguaro.models.loader import save_checkpoint
+    folder = tmp_path_factory.mktemp("ssd-draft")
+    save_checkpoint(draft, folder, dtype=torch.float32, share_embeddings=False)
+    client = InProcessDraft(worker_config(str(folder), "float32", TINY_K, [1, 1, 1], 1.0, prompt_lookup=None,
+                                          proposal_top=64), None)
+    return ssd_decoder(target, client, "neural")
+
+
+DECODERS = {
+    "ar": lambda target, draft, tmp: ar_decoder(target),
+    "sd": lambda target, draft, tmp: sd_decoder(target, draft, TINY_K),
+    "trees": lambda target, draft, tmp: sd_decoder(target, draft, TINY_K, **SHAPE),
+    "auto": lambda target, draft, tmp: switching_decoder(target, draft, [TREE, TREE, TINY_K, TREE, 0, TREE]),
+    "ssd": lambda target, draft, tmp: in_process_ssd(target, tmp, draft),
+}
+
+
+# --- parameters, matcher, processing ------------------------------------------------------------
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(structured_outputs=dict(regex="[a-")), "structured_outputs.regex"),
+    (dict(structured_outputs=dict(json={"type": "nonsense"})), "structured_outputs.json"),
+    (dict(structured_outputs=dict(json="{not json")), "structured_outputs.json"),
+    (dict(structured_outputs=dict(grammar="start: undefined_rule")), "structured_outputs.grammar"),
+    (dict(structured_outputs=dict(regex="a", choice=["b"])), "exactly one"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(logit_bias={5: 101}), "logit_bias"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs_mode="final"), "logprobs_mode"),
+])
+def test_bad_parameters_are_refused_by_name(bad, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        SamplingParams(**bad)
+
+
+def test_masks_follow_the_draft_and_leave_the_matcher_where_it_was(tiny_tokenizer):
+    matcher = GrammarMatcher(StructuredOutputs(regex=PATTERN), grammar_tokenizer(tiny_tokenizer, [EOS]))
+    masks = matcher.masks([[], [3], [3, 4], [3, 4, 1], [3, 7, 1]], TINY_V)
+    legal = [set(row.nonzero()[:, 0].tolist()) for row in masks]
+    assert legal[:4] == [{3}, {4, 5}, {EOS, 1, 3}, {2}]
+    assert legal[4] == set(range(TINY_V))  # after an illegal draft: unreachable, left unmasked
+    assert matcher.forced(5, {EOS}) == [3]  # still at the start
+    assert matcher.commit(3) and matcher.forced(5, {EOS}) == []
+
+
+def test_penalties_along_a_draft_equal_penalties_after_committing_it(tiny_tokenizer):
+    params = SamplingParams(temperature=1.0, **PENALTIES)
+    processor = LogitsProcessor.of(params, {EOS})
+    logits = torch.randn(4, TINY_V, generator=torch.Generator().manual_seed(0))
+    drafts = [3, 3, 5]
+    along = processor.process(logits, PROMPT, [1], chain_contexts(drafts))
+    for j in range(4):
+        one = processor.process(logits[j:j + 1], PROMPT, [1] + drafts[:j], [[]])
+        assert torch.equal(along[j:j + 1], one)
+    assert not torch.equal(along[3], processor.process(logits[3:], PROMPT, [1], [[]])[0])
+
+
+def test_no_processing_means_no_processor():
+    assert LogitsProcessor.of(SamplingParams(temperature=0.8, top_p=0.9, min_p=0.1), {EOS}) is None
+
+
+# --- exactness on tiny models -------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", list(DECODERS))
+def test_greedy_speculation_equals_ar_under_a_grammar_and_penalties(target, draft, tiny_tokenizer, tmp_path_factory,
+                                                                    method):
+    params = params_of(0.0, 60, **PENALTIES)
+    expected = decode(ar_decoder(target), params, tiny_tokenizer)
+    assert decode(DECODERS[method](target, draft, tmp_path_factory), params, tiny_tokenizer) == expected
+    assert all(o[-1] == EOS or len(o) == NEW for o in expected)
+
+
+@pytest.mark.parametrize("method", list(DECODERS))
+def test_each_method_samples_the_constrained_and_penalised_target(target, draft, tiny_tokenizer, tmp_path_factory,
+                                                                  method):
+    params = params_of(0.8, ROWS, **PENALTIES)
+    outputs = decode(DECODERS[method](target, draft, tmp_path_factory), params, tiny_tokenizer)
+    assert pvalue(target, params, outputs, tiny_tokenizer) > ALPHA
+
+
+def test_check_catches_a_verifier_comparing_against_the_unprocessed_target(target, draft, tiny_tokenizer,
+                                                                          monkeypatch):
+    """Verification forgets the processing (prefill and AR rounds keep it): draws the grammar
+    forbids get committed, or the distribution is off."""
+    def unprocessed(logits, seqs, contexts):
+        return logits if logits.shape[1] > 1 else original(logits, seqs, contexts)
+    original = verification.processed
+    monkeypatch.setattr(verification, "processed", unprocessed)
+    params = params_of(0.8, ROWS, pattern=None, **PENALTIES)
+    outputs = decode(sd_decoder(target, draft, TINY_K), params, tiny_tokenizer)
+    assert pvalue(target, params, outputs, tiny_tokenizer) < ALPHA
+    with pytest.raises(RuntimeError, match="breaks its grammar"):
+        decode(sd_decoder(target, draft, TINY_K), params_of(0.8, 200), tiny_tokenizer)
+
+
+def test_check_catches_penalties_not_advanced_along_the_draft(target, draft, tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(verification, "chain_contexts", lambda drafts: [[] for _ in range(len(drafts) + 1)])
+    params = params_of(0.8, ROWS, pattern=None, **PENALTIES)
+    outputs = decode(sd_decoder(target, draft, TINY_K), params, tiny_tokenizer)
+    assert pvalue(target, params, outputs, tiny_tokenizer) < ALPHA
+
+
+def forced_ignoring_stop_tokens(self, limit, stop_ids):
+    """A forced-token check that does not count stop tokens as legal choices."""
+    run = []
+    while len(run) < limit and not self.matcher.is_stopped():
+        row = numpy.zeros(self.vocab_size, dtype=numpy.bool_)
+        self._mask_into(row)
+        allowed = [t for t in row.nonzero()[0].tolist() if t not in stop_ids]
+        if len(allowed) != 1:
+            break
+        self.matcher.consume_token(allowed[0])
+        run.append(allowed[0])
+    if run:
+        self.matcher.rollback(len(run))
+    return run
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_jump_forward_commits_forced_tokens_exactly(target, tiny_tokenizer, monkeypatch, broken):
+    """AR rounds commit the grammar's forced tokens without a draft. The control also commits
+    "x" where the end of the text was legal too."""
+    if broken:
+        monkeypatch.setattr(structured.GrammarMatcher, "forced", forced_ignoring_stop_tokens)
+    params = params_of(0.8, ROWS, pattern=ENDING)
+    decoder = ar_decoder(target)
+    outputs = decode(decoder, params, tiny_tokenizer)
+    assert decoder.counters.num_draft_tokens > ROWS  # "b" after "a", at least
+    assert (pvalue(target, params, outputs, tiny_tokenizer) < ALPHA) == broken
+
+
+# --- the default model ----------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
+    "role": {"enum": ["admin", "editor", "viewer"]}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+    "required": ["name", "age", "role", "tags"], "additionalProperties": False}
+REAL_CASES = {
+    "json_schema": dict(structured_outputs=StructuredOutputs(json=SCHEMA)),
+    "regex": dict(structured_outputs=StructuredOutputs(regex=r"(Yes|No), because [a-z ,]{10,60}\.")),
+    "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={330: 5.0}),
+}
+
+
+@pytest.fixture(scope="module")
+def real_prompts() -> list[list[dict]]:
+    from saguaro.datasets import sharegpt_first_turns
+    turns = sharegpt_first_turns("heldout", limit=3, seed=1, max_chars=400)
+    return [[{"role": "user", "content": t + "\nAnswer as JSON."}] for t in turns]
+
+
+@pytest.mark.parametrize("method", ["sd", "ssd", "trees", "auto"])
+def test_greedy_methods_equal_ar_on_real_prompts(llm, real_prompts, method):
+    """Each case over three held-out prompts (batch 3), against the session's AR model."""
+    options = {"sd": dict(method="sd"), "ssd": dict(method="ssd"), "auto": dict(method="auto"),
+               "trees": dict(method="sd", num_speculative_tokens=4, tree_topk=3, num_draft_tokens=8)}[method]
+    spec = LLM(hub.DEFAULT_MODEL, dtype="float32", **options)
+    try:
+        for name, case in REAL_CASES.items():
+            params = SamplingParams(temperature=0, max_tokens=40, **case)
+            expected = [o.token_ids for o in llm.generate(real_prompts, params, use_tqdm=False)]
+            got = [o.token_ids for o in spec.generate(real_prompts, params, use_tqdm=False)]
+            assert got == expected, f"{method} differs from AR under {name}"
+    finally:
+        spec.close()
