@@ -14,7 +14,8 @@ def text(max_length: int = 24, min_length: int = 1, **extra) -> dict:
 
 
 def formatted(format: str) -> dict:
-    return {"type": "string", "format": format}
+    """A string in a format, of at most 40 characters (an email's length is otherwise unbounded)."""
+    return {"type": "string", "format": format, "maxLength": 40}
 
 
 def integer(minimum: int, maximum: int) -> dict:

@@ -76,7 +76,7 @@ def grammar_tokenizer(tokenizer, eos_token_ids: list[int]) -> llguidance.LLToken
         if isinstance(tokenizer, str):
             text = tokenizer
         else:
-            backend = getattr(tokenizer, "backend", None) or getattr(tokenizer, "backend_tokenizer", None)
+            backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "backend", None)
             if backend is None:
                 raise ValueError("structured outputs need a tokenizer backed by the `tokenizers` library")
             text = backend.to_str()
@@ -86,7 +86,7 @@ def grammar_tokenizer(tokenizer, eos_token_ids: list[int]) -> llguidance.LLToken
 
 def tokenizer_json(tokenizer) -> str:
     """The tokenizer.json text llguidance reads, to send where only token ids are (the SSD worker)."""
-    backend = getattr(tokenizer, "backend", None) or getattr(tokenizer, "backend_tokenizer", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "backend", None)
     return backend.to_str()
 
 
