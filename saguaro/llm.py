@@ -112,13 +112,15 @@ class LLM:
         draft workers lost and restarted (empty for AR and SD)."""
         return self.decoder.metrics()
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a text prompt, a chat (list of messages; the chat template is applied)
-        or already tokenized ids."""
+    def encode(self, prompt: Prompt, tools: list[dict] | None = None, template_variables: dict | None = None) -> list[int]:
+        """Token ids of a text prompt, a chat (list of messages; the chat template is applied,
+        given the tools, in OpenAI's form, and any other variables it reads) or already
+        tokenized ids."""
         if isinstance(prompt, str):
             return self.tokenizer(prompt)["input_ids"]
         if prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                     **(template_variables or {}))
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)

@@ -72,10 +72,11 @@ HOSTILE = {  # name: (path, raw JSON)
                                                            '"top_k": 100000000000000000000}'),
     "token id beyond int64": ("/v1/completions", COMPLETION + '"prompt": [1, 100000000000000000000000]}'),
     "negative token id": ("/v1/completions", COMPLETION + '"prompt": [[-1]]}'),
+    "a deeply nested unknown field": ("/v1/completions", COMPLETION + '"prompt": "Hi", "x": ' + "[" * 900 + "]" * 900
+                                      + "}"),
 }
 ODD_BUT_VALID = {
     "a whole surrogate pair": COMPLETION + '"prompt": "\\ud83d\\ude00 Hello", "stop": "\\ud83d\\ude00"}',
-    "a deeply nested unknown field": COMPLETION + '"prompt": "Hi", "x": ' + "[" * 900 + "]" * 900 + "}",
     "a denormal temperature": COMPLETION + '"prompt": "Hi", "temperature": 5e-324}',
 }
 

@@ -90,7 +90,7 @@ def grammar_tokenizer(tokenizer, eos_token_ids: list[int]) -> GrammarTokenizer:
     per tokenizer object (the object is kept, so its id stays its own)."""
     key = id(tokenizer)
     if key not in _grammar_tokenizers:
-        backend = getattr(tokenizer, "backend", None) or getattr(tokenizer, "backend_tokenizer", None)
+        backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "backend", None)
         if backend is None:
             raise ValueError("structured_outputs need a tokenizer backed by the `tokenizers` library")
         _grammar_tokenizers[key] = (tokenizer, GrammarTokenizer(backend.to_str(), list(eos_token_ids)))

@@ -91,12 +91,13 @@ class FolderTokenizer:
             raise ValueError("this tokenizer has no chat template: give the prompt as text or token ids")
         return chat_environment().from_string(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = True) -> str | list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = False, tokenize: bool = True,
+                            **variables) -> str | list[int]:
         """The conversation as the template renders it (tokens without BOS / EOS added: the
-        template writes its own)."""
-        text = self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        template writes its own); `variables`: more that the template reads."""
+        text = self._template.render(**{**self.special_tokens, **variables}, messages=[dict(m) for m in messages],
+                                     tools=tools, documents=None, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

@@ -27,12 +27,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from saguaro.engine.sampler import SamplingParams
+from saguaro.engine.structured import grammar_tokenizer
 from saguaro.llm import LLM
 from saguaro.server import scheduler as sched
 from saguaro.server import metrics
-from saguaro.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
-                                     chat_choice, chat_delta, completion_choice, envelope, error_body, new_id,
-                                     usage)
+from saguaro.server.logprobs import TokenText
+from saguaro.server.protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest,
+                                     SamplingRequest, chat_choice, chat_delta, completion_choice, envelope,
+                                     error_body, new_id, usage)
+from saguaro.server.tools import ChatTemplateTools, ToolCallStream, ToolReading, new_call_id
 
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.5
@@ -60,8 +63,10 @@ class EngineStream:
     """The updates of one HTTP request's engine requests (one per sample), carried from the
     scheduler thread to the event loop as (sample index, update)."""
 
-    def __init__(self, scheduler: sched.Scheduler, prompt_ids: list[int], params: SamplingParams,
-                 inflight: Inflight):
+    def __init__(self, scheduler: sched.Scheduler, prompts: list[list[int]], params: SamplingParams,
+                 inflight: Inflight, constraint_param: str | None = None):
+        """constraint_param: the request field that set params.structured_outputs, which a 400
+        for a grammar the engine cannot compile names."""
         self.scheduler, self.inflight = scheduler, inflight
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, sched.Update]] = asyncio.Queue()
@@ -71,9 +76,11 @@ class EngineStream:
         self.generated: dict[int, int] = {}  # output tokens by sample
         self.since: tuple[float, int] | None = None  # (time, tokens generated) at the first update
         try:
-            for index, sample in enumerate(params.samples()):
-                self.request_ids.append(scheduler.submit(sched.Request(prompt_ids, sample, self._putter(index))))
-                self.running.add(index)
+            for prompt_ids in prompts:  # choice index: prompt * n + sample, as OpenAI orders them
+                for sample in params.samples():
+                    index = len(self.request_ids)
+                    self.request_ids.append(scheduler.submit(sched.Request(prompt_ids, sample, self._putter(index))))
+                    self.running.add(index)
         except (sched.QueueFull, sched.ShuttingDown, ValueError) as e:
             self.close()  # all samples or none
             if isinstance(e, sched.QueueFull):
@@ -81,7 +88,8 @@ class EngineStream:
                                headers={"Retry-After": str(RETRY_AFTER_S)}) from e
             if isinstance(e, sched.ShuttingDown):
                 raise APIError(503, str(e), "server_error") from e
-            raise APIError(400, str(e), param="max_tokens") from e
+            raise APIError(400, str(e), param=constraint_param if "structured_outputs" in str(e) else
+                           "max_tokens") from e
         inflight.streams.add(self)
 
     @property
@@ -342,8 +350,10 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
         problems = e.errors()
         if any(p["type"] == "json_invalid" for p in problems):
             return error_response(400, error_body("the request body is not valid JSON"))
-        first = problems[0] if problems else {"loc": (), "msg": "invalid request"}
+        first = problems[0] if problems else {"loc": (), "msg": "invalid request", "type": ""}
         param = ".".join(str(part) for part in first["loc"][1:]) or None
+        if first["type"] == "extra_forbidden":  # OpenAI's words for an argument it does not know
+            return error_response(400, error_body(f"Unrecognized request argument supplied: {param}", param=param))
         message = "; ".join(f"{'.'.join(str(x) for x in p['loc'][1:]) or 'body'}: {p['msg']}" for p in problems[:3])
         return error_response(400, error_body(message, param=param))
 
@@ -381,6 +391,9 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
                                             "owned_by": "saguaro", "max_model_len": scheduler.max_model_len}]}
 
     max_prompt_chars = scheduler.max_model_len * longest_token(llm.tokenizer)
+    vocab_size = llm.target.config.vocab_size
+    token_text = TokenText(llm.tokenizer)
+    template_tools = ChatTemplateTools.of(chat_template(llm.tokenizer))
 
     def check_prompt_chars(chars: int, param: str) -> None:
         """Refuses, untokenized, a prompt with more characters than the context's tokens could
@@ -391,45 +404,75 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
                                 f"{scheduler.max_model_len} tokens, which hold at most {max_prompt_chars}",
                            param=param)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    def check_token_ids(ids, param: str) -> None:
+        if not all(0 <= int(t) < vocab_size for t in ids):
+            raise APIError(400, f"token ids must be in [0, {vocab_size})", param=param)
+
+    def check_request(body: SamplingRequest) -> None:
         body.check_supported()
         check_model(body)
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            check_prompt_chars(len(prompt), "prompt")
-            prompt_ids = await asyncio.to_thread(llm.encode, prompt)  # the streams go on meanwhile
-        else:
-            vocab = llm.target.config.vocab_size
-            if not all(0 <= t < vocab for t in prompt):
-                raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
-            prompt_ids = prompt
-        return await respond(request, body, prompt_ids, body.max_tokens, chat=False)
+        check_token_ids(body.logit_bias or (), "logit_bias")
+        check_token_ids(body.stop_token_ids or (), "stop_token_ids")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_request(body)
+        prompts = body.prompts()
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n = {body.n} exceed the {MAX_CHOICES} choices a request "
+                                f"may have", param="prompt")
+        check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        prompt_ids = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                prompt_ids.append(await asyncio.to_thread(llm.encode, prompt))  # the streams go on meanwhile
+            else:
+                check_token_ids(prompt, "prompt")
+                prompt_ids.append(prompt)
+        echo = [p if isinstance(p, str) else llm.tokenizer.decode(p) for p in prompts] if body.echo else None
+        shape = ReplyShape(chat=False, prompt_ids=prompt_ids, samples_per_prompt=body.n,
+                           logprobs=body.logprobs is not None, echo=echo)
+        prompt_logprobs = body.logprobs if body.echo else None
+        return await respond(request, body, shape, body.max_tokens, body.logprobs, prompt_logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        body.check_supported()
-        check_model(body)
-        messages = [m.as_template_input() for m in body.messages]
+        check_request(body)
+        offered = [t.model_dump(exclude_none=True) for t in body.tools] if body.calls_tools else None
+        messages = template_tools.messages([m.as_template_input() for m in body.messages], offered)
         check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        try:
-            prompt_ids = await asyncio.to_thread(llm.encode, messages)  # the streams go on meanwhile
+        try:  # the streams go on meanwhile
+            prompt_ids = await asyncio.to_thread(llm.encode, messages, offered if template_tools.takes_tools else None,
+                                                 body.chat_template_kwargs)
         except Exception as e:  # the chat template refused the conversation
             raise APIError(400, f"the chat template cannot format these messages: {e}", param="messages") from e
-        return await respond(request, body, prompt_ids, body.requested_max_tokens, chat=True)
+        reading = None
+        if body.calls_tools:
+            forced = body.tool_choice == "required" or body.named_function is not None
+            reading = ToolReading(template_tools.format, forced, body.named_function, body.parallel_tool_calls)
+        shape = ReplyShape(chat=True, prompt_ids=[prompt_ids], samples_per_prompt=body.n, logprobs=body.logprobs,
+                           tools=reading)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await respond(request, body, shape, body.requested_max_tokens, logprobs, None)
 
-    async def respond(request: Request, body: SamplingRequest, prompt_ids: list[int], max_tokens: int | None,
-                      chat: bool):
-        room = scheduler.max_new_tokens(len(prompt_ids))
+    async def respond(request: Request, body: SamplingRequest, shape: ReplyShape, max_tokens: int | None,
+                      logprobs: int | None, prompt_logprobs: int | None):
+        longest = max(shape.prompt_ids, key=len)
+        room = scheduler.max_new_tokens(len(longest))
+        param = "messages" if shape.chat else "prompt"
         if room < 1:
-            raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) does not fit the context of "
-                                f"{scheduler.max_model_len} tokens", param="messages" if chat else "prompt")
+            raise APIError(400, f"the prompt ({len(longest)} tokens) does not fit the context of "
+                                f"{scheduler.max_model_len} tokens", param=param)
         if max_tokens is not None and max_tokens > room:
-            raise APIError(400, f"max_tokens ({max_tokens}) is too large: the prompt has {len(prompt_ids)} tokens "
+            raise APIError(400, f"max_tokens ({max_tokens}) is too large: the prompt has {len(longest)} tokens "
                                 f"and the context {scheduler.max_model_len}, which leaves at most {room}",
-                           param="max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens")
-        stream = EngineStream(scheduler, prompt_ids, body.sampling_params(max_tokens or room), inflight)
-        reply = Reply(new_id("chatcmpl" if chat else "cmpl"), config.model_name, chat)
+                           param="max_completion_tokens" if shape.chat and body.max_completion_tokens else "max_tokens")
+        constraint = body.output_constraint()
+        params = body.sampling_params(max_tokens or room, logprobs, prompt_logprobs, constraint)
+        if constraint is not None:  # llguidance's view of the tokenizer, built once (0.2 s for 49k tokens)
+            await asyncio.to_thread(grammar_tokenizer, llm.tokenizer, llm.eos_token_ids)
+        stream = EngineStream(scheduler, shape.prompt_ids, params, inflight, constraint.param if constraint else None)
+        reply = Reply(new_id("chatcmpl" if shape.chat else "cmpl"), config.model_name, shape, token_text)
         if body.stream:
             return StreamingResponse(reply.events(stream, body.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -438,62 +481,140 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
     return app
 
 
+def chat_template(tokenizer) -> str | None:
+    """The template the tokenizer renders chats with (of several, the one for tools)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return template.get("tool_use") or template.get("default")
+    return template
+
+
 def longest_token(tokenizer) -> int:
     """The characters of the vocabulary's longest token, as spelled in the vocabulary: at least
     the characters of text it stands for (a byte-level token spells each byte as a character)."""
     return max(map(len, tokenizer.get_vocab()))
 
 
+@dataclass
+class ReplyShape:
+    """What a reply holds besides text: choice index = prompt * samples_per_prompt + sample."""
+    chat: bool
+    prompt_ids: list[list[int]]
+    samples_per_prompt: int = 1
+    logprobs: bool = False
+    echo: list[str] | None = None  # completions: each prompt's text, written before its choices' text
+    tools: ToolReading | None = None  # chat: how the reply is read for tool calls
+
+    def prompt_of(self, index: int) -> int:
+        return index // self.samples_per_prompt
+
+
+class ChoiceState:
+    """One choice's reply as its updates arrive."""
+
+    def __init__(self, shape: ReplyShape, index: int):
+        self.shape, self.index = shape, index
+        self.parts: list[str] = []
+        self.logprobs: list = []
+        self.prompt_logprobs: list | None = None
+        self.tool_stream = ToolCallStream(shape.tools) if shape.tools is not None else None
+        self.text_offset = 0  # completions, streamed: where the next token's text starts
+        self.last: sched.Update | None = None
+
+    def add(self, update: sched.Update) -> None:
+        self.parts.append(update.text)
+        self.logprobs += update.logprobs
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
+        self.last = update
+
+    def echoed(self) -> str:
+        return self.shape.echo[self.shape.prompt_of(self.index)] if self.shape.echo is not None else ""
+
+    def completion_logprobs(self, token_text: TokenText, new: list, first: bool) -> dict | None:
+        """Completions' logprobs of new tokens (with the echoed prompt's before the first)."""
+        if not self.shape.logprobs:
+            return None
+        entries = list(new)
+        if first and self.shape.echo is not None:
+            prompt = self.shape.prompt_ids[self.shape.prompt_of(self.index)]
+            given = self.prompt_logprobs or [None] * len(prompt)
+            entries = [e if e is not None else (t, None) for t, e in zip(prompt, given)] + entries
+        rendered = token_text.completion(entries, self.text_offset)
+        if rendered["text_offset"]:
+            self.text_offset = rendered["text_offset"][-1] + len(rendered["tokens"][-1])
+        return rendered
+
+
 class Reply:
     """Renders one request's updates as an OpenAI completion or chat completion."""
 
-    def __init__(self, id: str, model: str, chat: bool):
-        self.id, self.model, self.chat = id, model, chat
+    def __init__(self, id: str, model: str, shape: ReplyShape, token_text: TokenText):
+        self.id, self.model, self.shape, self.token_text = id, model, shape, token_text
+        self.chat = shape.chat
         self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self.object = "chat.completion" if self.chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
 
     def _envelope(self, object: str, choices: list[dict], usage_: dict | None = None) -> dict:
         return envelope(self.id, object, self.model, choices, usage_, self.created)
 
-    def _chunk(self, text: str, finish_reason: str | None, first: bool, index: int) -> dict:
-        if not self.chat:
-            return self._envelope(self.chunk_object, [completion_choice(text, finish_reason, index)])
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return self._envelope(self.chunk_object, [chat_delta(delta, finish_reason, index)])
-
-    @staticmethod
-    def _usage(last: dict[int, sched.Update]) -> dict:
-        """The prompt counts once (its cached tokens as the first sample found them); the
+    def _usage(self, states: dict[int, ChoiceState]) -> dict:
+        """Each prompt counts once (its cached tokens as its first sample found them); the
         completion tokens of every sample add up."""
-        first = last[min(last)]
-        return usage(first.num_prompt_tokens, sum(u.num_output_tokens for u in last.values()), first.num_cached_tokens)
+        firsts = [states[i].last for i in sorted(states) if i % self.shape.samples_per_prompt == 0]
+        return usage(sum(u.num_prompt_tokens for u in firsts), sum(s.last.num_output_tokens for s in states.values()),
+                     sum(u.num_cached_tokens for u in firsts))
+
+    def _chunk(self, state: ChoiceState, update: sched.Update, first: bool) -> dict | None:
+        """The chunk for one update of a choice, or None when it has nothing to say."""
+        finish = update.finish_reason
+        if not self.chat:
+            text = (state.echoed() if first else "") + update.text
+            logprobs = state.completion_logprobs(self.token_text, update.logprobs, first)
+            if not (text or finish or first or logprobs):
+                return None
+            return self._envelope(self.chunk_object, [completion_choice(text, finish, state.index, logprobs)])
+        stream = state.tool_stream
+        text = stream.add(update.text) if stream is not None else update.text
+        calls = []
+        if update.done and stream is not None:
+            rest, calls = stream.finish()
+            text += rest
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call.as_openai(new_call_id())} for i, call in enumerate(calls)]
+            finish = "tool_calls" if finish == "stop" else finish
+        logprobs = self.token_text.chat(update.logprobs) if self.shape.logprobs and update.logprobs else None
+        if not (delta or finish or logprobs):
+            return None
+        return self._envelope(self.chunk_object, [chat_delta(delta, finish, state.index, logprobs)])
 
     async def events(self, stream: EngineStream, include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events, each sample's chunks under its choice index; an engine error
-        ends the stream with an error event."""
+        """Server-sent events, each choice's chunks under its index; an engine error ends the
+        stream with an error event."""
         try:
-            last: dict[int, sched.Update] = {}
+            states: dict[int, ChoiceState] = {}
             while not stream.done:
                 index, update = await stream.next()
                 if update.error is not None:
                     yield sse(error_body(update.error, "server_error"))
                     break
-                first = index not in last
-                last[index] = update
-                if update.text or update.finish_reason or first:
-                    yield sse(self._chunk(update.text, update.finish_reason, first, index))
+                first = index not in states
+                state = states.setdefault(index, ChoiceState(self.shape, index))
+                state.add(update)
+                if (chunk := self._chunk(state, update, first)) is not None:
+                    yield sse(chunk)
             else:
                 if include_usage:
-                    yield sse(self._envelope(self.chunk_object, [], self._usage(last)))
+                    yield sse(self._envelope(self.chunk_object, [], self._usage(states)))
             yield "data: [DONE]\n\n"
         finally:
             stream.close()
 
     async def whole(self, stream: EngineStream, request: Request) -> JSONResponse:
-        """Waits for every sample's end, watching for the client going away meanwhile."""
-        parts: dict[int, list[str]] = {}
-        last: dict[int, sched.Update] = {}
+        """Waits for every choice's end, watching for the client going away meanwhile."""
+        states: dict[int, ChoiceState] = {}
         pending = asyncio.ensure_future(stream.next())
         try:
             while True:
@@ -506,17 +627,28 @@ class Reply:
                 if update.error is not None:
                     status = 503 if "shutting down" in update.error else 500
                     return JSONResponse(error_body(update.error, "server_error"), status_code=status)
-                parts.setdefault(index, []).append(update.text)
-                last[index] = update
+                states.setdefault(index, ChoiceState(self.shape, index)).add(update)
                 if stream.done:
                     break
                 pending = asyncio.ensure_future(stream.next())
         finally:
             pending.cancel()
             stream.close()
-        make_choice = chat_choice if self.chat else completion_choice
-        choices = [make_choice("".join(parts[i]), last[i].finish_reason, i) for i in sorted(last)]
-        return JSONResponse(self._envelope(self.object, choices, self._usage(last)))
+        choices = [self._choice(states[i]) for i in sorted(states)]
+        return JSONResponse(self._envelope(self.object, choices, self._usage(states)))
+
+    def _choice(self, state: ChoiceState) -> dict:
+        text, finish = "".join(state.parts), state.last.finish_reason
+        if not self.chat:
+            logprobs = state.completion_logprobs(self.token_text, state.logprobs, True)
+            return completion_choice(state.echoed() + text, finish, state.index, logprobs)
+        logprobs = self.token_text.chat(state.logprobs) if self.shape.logprobs else None
+        if self.shape.tools is None:
+            return chat_choice(text, finish, state.index, logprobs=logprobs)
+        content, calls = self.shape.tools.read(text)
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        return chat_choice(content, finish, state.index, [c.as_openai(new_call_id()) for c in calls], logprobs)
 
 
 def sse(data: dict) -> str:

@@ -44,6 +44,8 @@ class Update:
     finish_reason: str | None = None
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV entries came from the prefix cache
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of the tokens committed since the last update
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first update, when asked for
 
     @property
     def done(self) -> bool:
@@ -57,6 +59,7 @@ class Request:
     on_update: Callable[[Update], None]  # runs on the scheduler thread: must return at once
     arrival: float = field(default_factory=time.perf_counter)
     request_id: int = -1  # set by submit
+    seq: Sequence | None = None  # what the engine decodes, made by submit
 
 
 @dataclass
@@ -80,6 +83,18 @@ class _Tracked:
     request: Request
     seq: Sequence
     tokens_counted: int = 0  # output tokens already in the stats
+    logprobs_sent: int = -1  # entries of seq.logprobs already sent; -1: nothing sent yet
+
+    def update(self, text: str) -> Update:
+        """The update that sends `text` and what else is new since the last one."""
+        seq = self.seq
+        first = self.logprobs_sent < 0
+        self.logprobs_sent = max(self.logprobs_sent, 0)
+        logprobs = seq.logprobs[self.logprobs_sent:]
+        self.logprobs_sent += len(logprobs)
+        return Update(text, len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason,
+                      num_cached_tokens=seq.stats.cached_tokens, logprobs=logprobs,
+                      prompt_logprobs=seq.prompt_logprobs if first else None)
 
 
 class Scheduler:
@@ -118,11 +133,15 @@ class Scheduler:
         return self.max_model_len - prompt_len - self.decoder.lookahead
 
     def submit(self, request: Request) -> int:
-        """Queues a request; returns its id. Raises ValueError when it cannot fit the context,
-        QueueFull or ShuttingDown."""
+        """Queues a request; returns its id. Raises ValueError when it cannot fit the context or
+        its parameters cannot be decoded (a grammar llguidance cannot compile with this
+        tokenizer), QueueFull or ShuttingDown. Its sequence is made here, in the caller's
+        thread, so that such an error is the caller's, not the round's."""
         if request.params.max_tokens > self.max_new_tokens(len(request.prompt_ids)):
             raise ValueError(f"{len(request.prompt_ids)} prompt tokens + max_tokens {request.params.max_tokens} "
                              f"exceed the context of {self.max_model_len} tokens")
+        request.seq = self.llm.new_sequence(request.prompt_ids, request.params)
+        request.seq.stats.t_arrival = request.arrival
         with self._lock:
             if self._deadline is not None:
                 raise ShuttingDown("the server is shutting down")
@@ -216,9 +235,7 @@ class Scheduler:
         request its new text; a finished one is already out of the engine."""
         new = []
         for request in requests:
-            seq = self.llm.new_sequence(request.prompt_ids, request.params)
-            seq.stats.t_arrival = request.arrival
-            new.append(_Tracked(request, seq))
+            new.append(_Tracked(request, request.seq))
             self._tracked[request.request_id] = new[-1]
         if requests:
             with self._lock:
@@ -227,9 +244,7 @@ class Scheduler:
         result = self.engine.step()
         by_seq = {t.seq.seq_id: t for t in self._tracked.values()}
         took_part = [by_seq[u.seq.seq_id] for u in result.updates]
-        updates = [(by_seq[u.seq.seq_id].request, Update(u.new_text, len(u.seq.prompt_ids), len(u.seq.output_ids),
-                                                         u.seq.finish_reason,
-                                                         num_cached_tokens=u.seq.stats.cached_tokens))
+        updates = [(by_seq[u.seq.seq_id].request, by_seq[u.seq.seq_id].update(u.new_text))
                    for u in result.updates if u.new_text or u.seq.finished]
         self._record(took_part)
         finished = [t for t in took_part if t.seq.finished]
