@@ -13,9 +13,12 @@ K + 1 tokens costs against one step.
 
 With --against, the kernels of another folder of sources (an older checkout's
 saguaro/models/native) run the same work in the same process, the two taking turns; medians.
+On one thread times are the thread's CPU time, so that other processes on a shared machine
+count less (they still share the memory's bandwidth).
 
     python benchmarks/peak.py --threads 1
     python benchmarks/peak.py --against ../old/saguaro/models/native --kinds q4_1,q4_k --rows 1,6
+    python benchmarks/peak.py --what layers --context 1024 --against ../old/saguaro/models/native
 """
 from __future__ import annotations
 
