@@ -297,47 +297,58 @@ def check_speed(args, plan: Plan, budget: Budget) -> dict:
     configurations = ([("ar", None, {})] + ([("ar_variant", None, {"batch_invariant": False})] if on_gpu else [])
                       + [("sd", None, {})] + [(n, d, {}) for n, d in worker_placements(args).items()]
                       + [("auto", None, {})])
+    failures: dict[str, str] = {}
     for name, draft_device, options in configurations:
         if budget.left() < 20:
             say(f"speed: out of time before {name}")
             break
-        with engine(args, name.split("_")[0], draft_device, **options) as llm:
-            if name == "auto" and isinstance(llm.decoder.policy, AutoPolicy):
-                llm.decoder.policy.wait_for_ssd(start=True)  # SSD among its choices from the first round
-            rates[name], sampled[name] = {}, {}
-            for batch in plan.batch_sizes:
-                rates[name][batch] = decode_rate(llm, (prompts * batch)[:batch], plan.new_tokens)
-                say(f"speed {name} batch {batch}: {rates[name][batch]:.1f} tok/s")
-            acceptance = conditional_acceptance(llm.metrics())
-            for batch in plan.sampled_batch_sizes if name != "ar_variant" else []:
-                sampled[name][batch] = decode_rate(llm, (prompts * batch)[:batch], plan.new_tokens, 0.7)
-                say(f"speed {name} batch {batch} T = 0.7: {sampled[name][batch]:.1f} tok/s")
-            figures[name] = {k: v for k, v in llm.metrics().items() if isinstance(v, (int, float))}
-            if acceptance:
-                figures[name]["greedy_acceptance"] = acceptance
-            waits[name] = host_waits_per_round(llm, prompts[0])
-            if waits[name] is not None:
-                say(f"speed {name}: {waits[name]:.2f} waits for the device a round")
-            if figures[name].get("draft_losses"):
-                say(f"speed {name}: the draft worker was lost {figures[name]['draft_losses']} times")
+        try:
+            measure_configuration(args, plan, name, draft_device, options, prompts, rates, sampled, figures, waits)
+        except Exception as e:  # noqa: BLE001 - one configuration's failure costs the loan none of the others
+            failures[name] = f"{type(e).__name__}: {e}"
+            say(f"speed {name}: FAILED with {failures[name]}")
     result = {"twin": vars(plan.twin), "tok_s": rates, "tok_s_t07": sampled, "metrics": figures,
-              "host_waits_per_round": waits, "per_gpu_table": per_gpu_table(rates, args.device)}
+              "host_waits_per_round": waits, "per_gpu_table": per_gpu_table(rates, args.device), "failures": failures}
     (Path(args.out) / "speed.md").write_text(result["per_gpu_table"] + "\n")
     say("speed, greedy, tokens/s per GPU:\n" + result["per_gpu_table"])
     if on_gpu and budget.left() > 20:
         result["transformers_batch1_tok_s"] = transformers_rate(args, prompts[0], plan.new_tokens)
         say(f"speed transformers generate batch 1 (the 135M model): {result['transformers_batch1_tok_s']:.1f} tok/s")
     for name in rates:
-        if name != "ar":
-            result[f"{name}_over_ar"] = {b: rates[name][b] / rates["ar"][b] for b in rates[name]}
-    if "ssd" in rates and "sd" in rates:
-        result["ssd_over_sd"] = {n: {b: rates[n][b] / rates["sd"][b] for b in rates[n]}
+        if name != "ar" and "ar" in rates:
+            result[f"{name}_over_ar"] = {b: rates[name][b] / rates["ar"][b] for b in rates[name] if b in rates["ar"]}
+    if "sd" in rates:
+        result["ssd_over_sd"] = {n: {b: rates[n][b] / rates["sd"][b] for b in rates[n] if b in rates["sd"]}
                                  for n in worker_placements(args) if n in rates}
-    if "ar_variant" in rates:
-        result["invariance_cost"] = {b: rates["ar_variant"][b] / rates["ar"][b] for b in rates["ar"]}
+    if "ar_variant" in rates and "ar" in rates:
+        result["invariance_cost"] = {b: rates["ar_variant"][b] / rates["ar"][b] for b in rates["ar"] if b in rates["ar_variant"]}
     workers_kept = not any(f.get("draft_losses") for f in figures.values())
-    result["passed"] = workers_kept and {"ar", "sd", "ssd", "auto"} <= set(rates)
+    result["passed"] = workers_kept and not failures and {"ar", "sd", "ssd", "auto"} <= set(rates)
     return result
+
+
+def measure_configuration(args, plan: Plan, name: str, draft_device: str | None, options: dict, prompts: list,
+                          rates: dict, sampled: dict, figures: dict, waits: dict) -> None:
+    """One engine's rates at each batch size, greedy and sampled, and its metrics, into the tables."""
+    with engine(args, name.split("_")[0], draft_device, **options) as llm:
+        if name == "auto" and isinstance(llm.decoder.policy, AutoPolicy):
+            llm.decoder.policy.wait_for_ssd(start=True)  # SSD among its choices from the first round
+        rates[name], sampled[name] = {}, {}
+        for batch in plan.batch_sizes:
+            rates[name][batch] = decode_rate(llm, (prompts * batch)[:batch], plan.new_tokens)
+            say(f"speed {name} batch {batch}: {rates[name][batch]:.1f} tok/s")
+        acceptance = conditional_acceptance(llm.metrics())
+        for batch in plan.sampled_batch_sizes if name != "ar_variant" else []:
+            sampled[name][batch] = decode_rate(llm, (prompts * batch)[:batch], plan.new_tokens, 0.7)
+            say(f"speed {name} batch {batch} T = 0.7: {sampled[name][batch]:.1f} tok/s")
+        figures[name] = {k: v for k, v in llm.metrics().items() if isinstance(v, (int, float))}
+        if acceptance:
+            figures[name]["greedy_acceptance"] = acceptance
+        waits[name] = host_waits_per_round(llm, prompts[0])
+        if waits[name] is not None:
+            say(f"speed {name}: {waits[name]:.2f} waits for the device a round")
+        if figures[name].get("draft_losses"):
+            say(f"speed {name}: the draft worker was lost {figures[name]['draft_losses']} times")
 
 
 # --- 5. costs ---------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from saguaro.cli import main
 from saguaro.models import hub
@@ -49,7 +50,11 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(smollm2_path, tmp_path):
     shutil.copy(smollm2_path, cache / "smollm2" / smollm2_path.name)
     if (hub.cache_dir() / "native").is_dir():
         shutil.copytree(hub.cache_dir() / "native", cache / "native")
-    env = os.environ | {"SAGUARO_CACHE": str(cache), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    # the test process's threads (one each under CI's two test processes): two threads of the
+    # check's would fight the other test process for its core, and a parallel region waiting on a
+    # thread without a core stalls (AR decoded 0.2 tok/s so on a crowded machine, SSD's one thread 6.8)
+    env = os.environ | {"SAGUARO_CACHE": str(cache), "OMP_NUM_THREADS": str(torch.get_num_threads()),
+                        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     loader = subprocess.Popen([sys.executable, "-c", CONCURRENT_LOAD], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     code, report, log = run_check(tmp_path / "first", env)
