@@ -18,7 +18,7 @@ from saguaro.models.loader import load_model
 from saguaro.models.twin import TwinShape, layout, load_twin, write_twin_gguf
 
 SHAPE = TwinShape(hidden_size=768, num_heads=16, num_kv_heads=4, intermediate_size=2048, num_layers=31)
-NEW_TOKENS = 32
+NEW_TOKENS = 24
 NEAR_TIE = 0.01  # the source's best two logits closer than this: fp32 rounding may pick either
 
 
@@ -38,7 +38,7 @@ def logits_along(model, prompt: list[int], output: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def real_prompts(prompts):
-    return prompts[:4]
+    return prompts[:3]
 
 
 @pytest.fixture(scope="module")
