@@ -56,6 +56,8 @@ def test_per_device_charges_ssd_its_worker():
     ar, sd, ssd = f.per_device()
     assert ar == pytest.approx(f.ar_tok_s / 4) and sd == pytest.approx(f.sd_tok_s / 4)
     assert ssd == pytest.approx(f.ssd_tok_s / 5)
+    on_host = forecast(profile(target_devices=4, draft_devices=1, draft_on_host=True), 1)
+    assert on_host.per_device()[2] == pytest.approx(on_host.ssd_tok_s / 4)  # the host's cores cost no device
 
 
 def test_the_fast_backup_takes_over_from_the_critical_batch_size():

@@ -84,7 +84,8 @@ def forecast_markdown(profile: HardwareProfile, batch_sizes: list[int]) -> str:
     lines = [f"{profile.name}: acceptance {', '.join(f'{a:.2f}' for a in profile.acceptance)}, "
              f"hit rate {profile.hit_rate:.2f} at fan-out {profile.fan_out} (r = {profile.power_law_r}), "
              f"link {profile.link_s * 1e3:.2f} ms, "
-             f"devices {profile.target_devices} (target) + {profile.draft_devices} (SSD's draft)"
+             f"devices {profile.target_devices} (target) + "
+             + ("the host's idle cores, free (SSD's draft)" if profile.draft_on_host else f"{profile.draft_devices} (SSD's draft)")
              + ssd_draft_line(profile), "",
              "| batch | AR tok/s | SD tok/s (K) | SSD tok/s (backup, F, T_p) | SSD / SD | per device: AR / SD / SSD |",
              "|---|---|---|---|---|---|"]

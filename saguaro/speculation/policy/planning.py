@@ -235,6 +235,7 @@ class HardwareProfile:
     link_s: float = 0.0  # SSD: the exchange's share of a round that nothing hides
     target_devices: int = 1
     draft_devices: int = 1  # SSD's worker's, besides the target's
+    draft_on_host: bool = False  # SSD's worker on the host's idle CPU cores: free, no device charged
     ssd_draft: SsdDraft | None = None  # SSD's own draft; None: SD's
 
     @classmethod
@@ -297,7 +298,7 @@ def forecast(profile: HardwareProfile, batch: int, sd_ks: list[int] | None = Non
                 best = (rate, backup, fan_out, model.t_p)
     ssd_rate, backup, fan_out, t_p = best
     return Forecast(batch, batch / target(batch), sd_rate[sd_k], sd_k, ssd_rate, backup, fan_out, t_p,
-                    (profile.target_devices, profile.target_devices + profile.draft_devices))
+                    (profile.target_devices, profile.target_devices + (0 if profile.draft_on_host else profile.draft_devices)))
 
 
 def critical_batch_size(profile: HardwareProfile, max_batch: int = 256) -> int | None:
