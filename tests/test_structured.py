@@ -301,3 +301,46 @@ def test_greedy_methods_equal_ar_on_real_prompts(llm, real_prompts, method):
             assert got == expected, f"{method} differs from AR under {name}"
     finally:
         spec.close()
+
+
+# --- log-probabilities ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["ar", "sd", "trees", "ssd"])
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_logprobs_are_the_targets_at_each_committed_token(target, draft, tiny_tokenizer, tmp_path_factory,
+                                                          method, mode):
+    """Every method's entries equal the log-softmax of the target's logits (processed ones at the
+    request's temperature in "processed" mode) at the token's position, computed apart."""
+    params = [SamplingParams(temperature=0.8, max_tokens=NEW, seed=i, logprobs=3, logprobs_mode=mode,
+                             structured_outputs=StructuredOutputs(regex=PATTERN), **PENALTIES) for i in range(20)]
+    decoder = DECODERS[method](target, draft, tmp_path_factory)
+    seqs = [Sequence(i, prompt, p, [EOS], tiny_tokenizer) for i, (prompt, p) in enumerate(zip(prompts(20), params))]
+    decoder.reserve(len(seqs), len(PROMPT) + 1 + NEW + decoder.lookahead)
+    decoder.prefill(seqs)
+    while active := [s for s in seqs if not s.finished]:
+        decoder.step(active)
+    for seq in seqs:
+        assert [e.token_id for e in seq.logprobs] == seq.output_ids
+        chunk = seq.prompt_ids + seq.output_ids[:-1]
+        hidden = forward_chunks(target, new_cache(target, 1, len(chunk) + 1), [0], [chunk], [0])
+        logits = target.logits(hidden[0, len(seq.prompt_ids) - 1:])
+        if mode == "processed":
+            processor = LogitsProcessor.of(seq.params, {EOS}, GrammarMatcher(seq.params.structured_outputs,
+                                                                              grammar_tokenizer(tiny_tokenizer, [EOS])))
+            logits = processor.process(logits, seq.prompt_ids, [], chain_contexts(seq.output_ids[:-1])) / 0.8
+        expected = torch.log_softmax(logits.float(), -1)
+        got = torch.tensor([e.logprob for e in seq.logprobs])
+        assert torch.allclose(got, expected.gather(-1, torch.tensor(seq.output_ids)[:, None])[:, 0], atol=1e-4)
+        assert [e.top_ids for e in seq.logprobs] == expected.topk(3, -1).indices.tolist()
+
+
+def test_prompt_logprobs_cover_every_prompt_token_after_the_first(target, tiny_tokenizer):
+    decoder = ar_decoder(target)
+    seq = Sequence(0, PROMPT + [4, 5], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), [EOS])
+    decoder.reserve(1, 16)
+    decoder.prefill([seq])
+    hidden = forward_chunks(target, new_cache(target, 1, 8), [0], [seq.prompt_ids], [0])
+    expected = torch.log_softmax(target.logits(hidden[0, :-1]), -1)
+    assert seq.prompt_logprobs[0] is None and len(seq.prompt_logprobs) == len(seq.prompt_ids)
+    got = torch.tensor([e.logprob for e in seq.prompt_logprobs[1:]])
+    assert torch.allclose(got, expected.gather(-1, torch.tensor(seq.prompt_ids[1:])[:, None])[:, 0], atol=1e-5)
