@@ -26,7 +26,6 @@ from saguaro import LLM, SamplingParams
 from saguaro.engine import structured
 from saguaro.engine.processing import LogitsProcessor, chain_contexts
 from saguaro.engine.runner import forward_chunks
-from saguaro.engine.sampler import WarpParams, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, grammar_tokenizer
 from saguaro.models import hub
@@ -46,7 +45,7 @@ NEW = 8
 PATTERN = "(ab[cx])+"
 # After three rounds "x" or the end: where a forced-token check that ignores stop tokens breaks.
 ENDING = "(ab[cx]){1,3}x?"
-PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={3: 1.5, 5: -1.0})
+PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={EOS: -2.0, 3: 1.5, 5: -1.0})
 
 
 @pytest.fixture(scope="module")
@@ -91,46 +90,51 @@ def decode(decoder, params: list[SamplingParams], tokenizer) -> list[list[int]]:
     return [s.output_ids for s in seqs]
 
 
-def reference_probs(model, params: SamplingParams, prompt: list[int], output: list[int], tokenizer,
-                    logits: torch.Tensor) -> torch.Tensor:
+def reference_probs(params: SamplingParams, prompt: list[int], output: list[int], tokenizer,
+                    logits: numpy.ndarray) -> numpy.ndarray:
     """The distribution of each output token, from logits [len(output), V] at its position:
-    processed here position by position (the bias, HF's repetition penalty over prompt and
-    output, OpenAI's frequency and presence penalties over the output, the grammar's mask from a
-    matcher of its own), then warped."""
+    processed here position by position in numpy (the bias, HF's repetition penalty over prompt
+    and output, OpenAI's frequency and presence penalties over the output, the grammar's mask
+    from a matcher of its own), then softmax at the temperature (no top-k or top-p here)."""
     matcher = None
     if params.structured_outputs is not None:
         grammar = params.structured_outputs.llguidance_grammar()
         matcher = llguidance.LLMatcher(grammar_tokenizer(tokenizer, [EOS]).llguidance(), grammar, log_level=0)
+    in_prompt = numpy.isin(numpy.arange(TINY_V), prompt)
     rows = []
     for t, token in enumerate(output):
-        row = logits[t].double().clone()
+        row = logits[t].astype(numpy.float64).copy()
         for i, bias in (params.logit_bias or {}).items():
             row[i] += bias
-        counts = torch.bincount(torch.tensor(output[:t], dtype=torch.long), minlength=TINY_V).double()
-        seen = (counts > 0) | torch.isin(torch.arange(TINY_V), torch.tensor(prompt))
+        counts = numpy.bincount(numpy.array(output[:t], dtype=numpy.int64), minlength=TINY_V).astype(numpy.float64)
         r = params.repetition_penalty
-        row = torch.where(seen, torch.where(row > 0, row / r, row * r), row)
-        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).double()
+        row = numpy.where((counts > 0) | in_prompt, numpy.where(row > 0, row / r, row * r), row)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
         if matcher is not None:
-            allowed = numpy.frombuffer(matcher.compute_logit_bias(), dtype=numpy.bool_)[:TINY_V].copy()
-            row[~torch.from_numpy(allowed)] = float("-inf")
+            allowed = numpy.frombuffer(matcher.compute_logit_bias(), dtype=numpy.bool_)[:TINY_V]
+            row[~allowed] = -numpy.inf
             assert matcher.consume_token(token), f"token {token} breaks the grammar after {output[:t]}"
-        rows.append(row.float())
-    return warp(torch.stack(rows), WarpParams.of([params] * len(output)))
+        row = row / params.temperature
+        e = numpy.exp(row - row.max())
+        rows.append(e / e.sum())
+    return numpy.stack(rows)
 
 
 def pvalue(model, params: list[SamplingParams], outputs: list[list[int]], tokenizer) -> float:
-    """The pooled PIT test of every output token under reference_probs."""
+    """The pooled PIT test of every output token under reference_probs, the target's logits
+    teacher-forced in one pass."""
+    prompt_list = prompts(len(params))
+    chunks = [prompt + output[:-1] for prompt, output in zip(prompt_list, outputs)]
+    cache = new_cache(model, len(chunks), max(len(c) for c in chunks) + 1)
+    hidden = forward_chunks(model, cache, list(range(len(chunks))), chunks, [0] * len(chunks))
+    logits = model.logits(hidden).numpy()
     probs, tokens = [], []
-    for prompt, p, output in zip(prompts(len(params)), params, outputs):
-        chunk = prompt + output[:-1]
-        cache = new_cache(model, 1, len(chunk) + 1)
-        hidden = forward_chunks(model, cache, [0], [chunk], [0])
-        logits = model.logits(hidden[0, len(prompt) - 1:])
-        probs.append(reference_probs(model, p, prompt, output, tokenizer, logits))
+    for i, (prompt, p, output) in enumerate(zip(prompt_list, params, outputs)):
+        start = len(prompt) - 1
+        probs.append(reference_probs(p, prompt, output, tokenizer, logits[i, start:start + len(output)]))
         tokens += output
     v = torch.rand(len(tokens), generator=torch.Generator().manual_seed(0))
-    return ks_pvalue(randomized_pit(torch.cat(probs), torch.tensor(tokens), v))
+    return ks_pvalue(randomized_pit(torch.from_numpy(numpy.concatenate(probs)), torch.tensor(tokens), v))
 
 
 def in_process_ssd(target, tmp_path_factory, draft):
