@@ -56,8 +56,8 @@ class InProcessDraft:
         self.ready = self.server.ready
         self.alive = True
 
-    def prefill(self, seq_ids, token_ids, params, max_len, num_rows, features=None) -> None:
-        self.server.handle(Prefill(seq_ids, token_ids, params, max_len, num_rows, features))
+    def prefill(self, seq_ids, token_ids, params, max_len, num_rows, features=None, processing=None) -> None:
+        self.server.handle(Prefill(seq_ids, token_ids, params, max_len, num_rows, features, processing))
 
     def ask(self, request: SpecRequest) -> Speculation:
         reply = self.server.handle(request)

@@ -39,7 +39,7 @@ from test_trees import SHAPE, TREE, peaked_model, switching_decoder
 
 EOS = 0
 TINY_VOCAB = {"<eos>": EOS, "a": 1, "b": 2, "ab": 3, "c": 4, "x": 5, "[": 6, "]": 7}
-ROWS = 3_000
+ROWS = 2_000
 NEW = 8
 # Choices at most positions: c or x; then the end, "a" or "ab". After "a" only "b" is legal:
 # forced, proposed without a draft and committed with probability 1.
@@ -100,7 +100,7 @@ def reference_probs(model, params: SamplingParams, prompt: list[int], output: li
     matcher = None
     if params.structured_outputs is not None:
         grammar = params.structured_outputs.llguidance_grammar()
-        matcher = llguidance.LLMatcher(grammar_tokenizer(tokenizer, [EOS]), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(grammar_tokenizer(tokenizer, [EOS]).llguidance(), grammar, log_level=0)
     rows = []
     for t, token in enumerate(output):
         row = logits[t].double().clone()
@@ -243,7 +243,7 @@ def forced_ignoring_stop_tokens(self, limit, stop_ids):
     run = []
     while len(run) < limit and not self.matcher.is_stopped():
         row = numpy.zeros(self.vocab_size, dtype=numpy.bool_)
-        self._mask_into(row)
+        self.mask_into(row)
         allowed = [t for t in row.nonzero()[0].tolist() if t not in stop_ids]
         if len(allowed) != 1:
             break

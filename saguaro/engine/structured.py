@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llguidance
 import numpy
@@ -64,40 +64,48 @@ class StructuredOutputs:
         return llguidance.LLMatcher.grammar_from_lark(self.grammar)
 
 
-_grammar_tokenizers: dict[int, tuple[object, llguidance.LLTokenizer]] = {}
+@dataclass
+class GrammarTokenizer:
+    """A tokenizer as llguidance reads it: its tokenizer.json text and the EOS tokens a grammar
+    may end with. Crosses to the SSD worker as the text; llguidance's tokenizer is built where
+    it is first used (0.24 s for 49k tokens, 3.5 s for 262k) and never pickled."""
+    text: str
+    eos_token_ids: list[int]
+    built: llguidance.LLTokenizer | None = field(default=None, repr=False, compare=False)
+
+    def llguidance(self) -> llguidance.LLTokenizer:
+        if self.built is None:
+            self.built = llguidance.LLTokenizer(self.text, eos_token=list(self.eos_token_ids))
+        return self.built
+
+    def __getstate__(self) -> dict:
+        return {"text": self.text, "eos_token_ids": self.eos_token_ids, "built": None}
 
 
-def grammar_tokenizer(tokenizer, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
-    """llguidance's view of a tokenizer (0.24 s to build for 49k tokens, 3.5 s for 262k), built
-    once per tokenizer object. Takes saguaro's FolderTokenizer or a transformers fast tokenizer,
-    or the tokenizer.json text itself (what the SSD worker is sent)."""
+_grammar_tokenizers: dict[int, tuple[object, GrammarTokenizer]] = {}
+
+
+def grammar_tokenizer(tokenizer, eos_token_ids: list[int]) -> GrammarTokenizer:
+    """The GrammarTokenizer of saguaro's FolderTokenizer or a transformers fast tokenizer, one
+    per tokenizer object (the object is kept, so its id stays its own)."""
     key = id(tokenizer)
     if key not in _grammar_tokenizers:
-        if isinstance(tokenizer, str):
-            text = tokenizer
-        else:
-            backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "backend", None)
-            if backend is None:
-                raise ValueError("structured outputs need a tokenizer backed by the `tokenizers` library")
-            text = backend.to_str()
-        _grammar_tokenizers[key] = (tokenizer, llguidance.LLTokenizer(text, eos_token=list(eos_token_ids)))
+        backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "backend", None)
+        if backend is None:
+            raise ValueError("structured_outputs need a tokenizer backed by the `tokenizers` library")
+        _grammar_tokenizers[key] = (tokenizer, GrammarTokenizer(backend.to_str(), list(eos_token_ids)))
     return _grammar_tokenizers[key][1]
-
-
-def tokenizer_json(tokenizer) -> str:
-    """The tokenizer.json text llguidance reads, to send where only token ids are (the SSD worker)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "backend", None)
-    return backend.to_str()
 
 
 class GrammarMatcher:
     """One sequence's matcher: it has consumed exactly the sequence's committed output."""
 
-    def __init__(self, spec: StructuredOutputs, tokenizer: llguidance.LLTokenizer):
-        self.matcher = llguidance.LLMatcher(tokenizer, spec.llguidance_grammar(), log_level=0)
+    def __init__(self, spec: StructuredOutputs, tokenizer: GrammarTokenizer):
+        self.tokenizer = tokenizer
+        self.matcher = llguidance.LLMatcher(tokenizer.llguidance(), spec.llguidance_grammar(), log_level=0)
         if self.matcher.is_error():
             raise ValueError(f"structured_outputs: {self.matcher.get_error()}")
-        self.vocab_size = tokenizer.vocab_size
+        self.vocab_size = tokenizer.llguidance().vocab_size
 
     def commit(self, token: int) -> bool:
         """Advances over a committed token; False when the grammar did not allow it."""
@@ -108,7 +116,7 @@ class GrammarMatcher:
         """The grammar is complete and allows nothing more (but EOS)."""
         return self.matcher.is_stopped()
 
-    def _mask_into(self, row: numpy.ndarray) -> None:
+    def mask_into(self, row: numpy.ndarray) -> None:
         """Writes the legal tokens as bools into row (tokens past llguidance's vocabulary: illegal)."""
         # one byte per token, 0 where it is illegal, read as bools in place: numpy, because a
         # torch comparison over the vocabulary costs more than llguidance's whole mask
@@ -136,7 +144,7 @@ class GrammarMatcher:
             if rest:
                 self.matcher.consume_tokens(rest)
                 consumed += rest
-            self._mask_into(rows[j])
+            self.mask_into(rows[j])
         if consumed:
             self.matcher.rollback(len(consumed))
         return torch.from_numpy(rows)
@@ -147,7 +155,7 @@ class GrammarMatcher:
         run: list[int] = []
         while len(run) < limit and not self.matcher.is_stopped():
             row = numpy.zeros(self.vocab_size, dtype=numpy.bool_)
-            self._mask_into(row)
+            self.mask_into(row)
             allowed = row.nonzero()[0]
             if len(allowed) != 1 or int(allowed[0]) in stop_ids:
                 break

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from saguaro.config import Backup, SpeculativeConfig
 from saguaro.engine.proposal import Outcome
 from saguaro.engine.sampler import SamplingParams
+from saguaro.engine.structured import GrammarTokenizer
 
 
 class DraftUnavailable(RuntimeError):
@@ -64,6 +65,16 @@ class Hello:
 
 
 @dataclass
+class DraftProcessing:
+    """What the worker needs besides a request's SamplingParams to process its drafts' logits as
+    the target does (saguaro.engine.processing): the tokens min_tokens holds back, and the
+    tokenizer its grammar is compiled for."""
+    prompt_len: int  # the rest of the request's tokens are output, which penalties and the grammar read
+    stop_ids: list[int]
+    grammar_tokenizer: GrammarTokenizer | None = None
+
+
+@dataclass
 class Prefill:
     """Target -> worker: new requests, with the first token the target sampled."""
     seq_ids: list[int]
@@ -72,6 +83,7 @@ class Prefill:
     max_len: int  # longest a sequence may grow, for the draft's KV cache
     num_rows: int  # requests the target may hold at once
     features: list[torch.Tensor] | None = None  # EAGLE drafts: the target's hidden states, [prompt, hidden]
+    processing: list[DraftProcessing | None] | None = None  # None: no request processes its logits
 
 
 @dataclass

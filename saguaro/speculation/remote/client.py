@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from saguaro.engine.sampler import SamplingParams
-from saguaro.speculation.protocol import (SECRET_ENV, Channel, DraftSpec, DraftUnavailable, Hello, Prefill, Ready,
+from saguaro.speculation.protocol import (SECRET_ENV, Channel, DraftProcessing, DraftSpec, DraftUnavailable, Hello, Prefill, Ready,
                                           Release, Shutdown, Speculation, SpecRequest)
 
 MEASURED_ROUNDS = 3  # replies measured before the timeout follows them
@@ -117,8 +117,9 @@ class DraftClient:
         return base + self.unseen_tokens * c.prefill_s_per_token
 
     def prefill(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
-                max_len: int, num_rows: int, features: list[torch.Tensor] | None = None) -> None:
-        self._send(Prefill(seq_ids, token_ids, params, max_len, num_rows, features))
+                max_len: int, num_rows: int, features: list[torch.Tensor] | None = None,
+                processing: list[DraftProcessing | None] | None = None) -> None:
+        self._send(Prefill(seq_ids, token_ids, params, max_len, num_rows, features, processing))
         self.unseen_tokens += sum(len(ids) for ids in token_ids)
 
     def speculate(self, request: SpecRequest) -> Speculation:

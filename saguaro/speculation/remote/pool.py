@@ -21,9 +21,18 @@ from saguaro.config import Backup
 from saguaro.engine.proposal import Outcome
 from saguaro.engine.sequence import Sequence
 from saguaro.speculation.local.lookup import ngram_guess
-from saguaro.speculation.protocol import (DraftUnavailable, Ready, RequestSpeculation, Speculation,
+from saguaro.speculation.protocol import (DraftProcessing, DraftUnavailable, Ready, RequestSpeculation, Speculation,
                                           SpecRequest)
 from saguaro.speculation.remote.client import DraftClient, replace_worker
+
+
+def draft_processing(seqs: list[Sequence]) -> list[DraftProcessing | None] | None:
+    """What the worker needs to process the requests' drafts (None: nothing to process)."""
+    if all(s.processor is None for s in seqs):
+        return None
+    return [None if s.processor is None else
+            DraftProcessing(s.prompt_len, sorted(s.stop_ids), s.processor.grammar.tokenizer if s.processor.grammar else None)
+            for s in seqs]
 
 
 @dataclass
@@ -78,7 +87,8 @@ class DraftPool:
             if mine and lane.live:
                 self._call(lane, lane.client.prefill, [seqs[i].seq_id for i in mine],
                            [seqs[i].token_ids for i in mine], [seqs[i].params for i in mine], *self.shape,
-                           None if features is None else [features[i] for i in mine])
+                           None if features is None else [features[i] for i in mine],
+                           draft_processing([seqs[i] for i in mine]))
 
     def speculate(self, seqs: list[Sequence], outcomes: list[Outcome | None], backup: Backup,
                   fan_out: list[int] | None = None,

@@ -53,7 +53,7 @@ class DraftServer:
         """Applies a message; returns the reply a SpecRequest needs, None otherwise."""
         if isinstance(message, Prefill):
             self.speculator.add(message.seq_ids, message.token_ids, message.params, message.max_len,
-                                message.num_rows, message.features)
+                                message.num_rows, message.features, message.processing)
         elif isinstance(message, SpecRequest):
             if message.fan_out is not None:
                 self.speculator.set_fan_out(message.fan_out)

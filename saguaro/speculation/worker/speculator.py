@@ -15,15 +15,17 @@ from dataclasses import dataclass, field
 import torch
 
 from saguaro.config import Backup, checked_fan_out
-from saguaro.engine.processing import LogitsProcessor
+from saguaro.engine.processing import LogitsProcessor, chain_contexts
 from saguaro.engine.proposal import Outcome
 from saguaro.engine.runner import forward_chunks, last_hidden, run_pass
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, uniforms, warp
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
-from saguaro.speculation.protocol import RequestSpeculation
+from saguaro.engine.structured import GrammarMatcher, GrammarTokenizer
+from saguaro.speculation.protocol import DraftProcessing, RequestSpeculation
 from saguaro.speculation.worker.cache import SpeculationCache
-from saguaro.speculation.local.drafters import NGramDrafter, PromptLookupDrafter, model_drafter
+from saguaro.speculation.local.drafters import (NGramDrafter, PromptLookupDrafter, constrained_head_logits, constraint,
+                                                model_drafter)
 
 
 @dataclass
@@ -85,6 +87,7 @@ class Speculator:
         # already shaped the committed text, so reusing them would bias its proposals.
         self.incarnation = incarnation
         self.seqs: dict[int, DraftSequence] = {}
+        self.grammar_tokenizers: dict[str, GrammarTokenizer] = {}  # by text: llguidance's is built once
         self.max_len = 0
         self.set_fan_out(fan_out)
 
@@ -108,19 +111,35 @@ class Speculator:
         self.drafter.reserve(num_rows, num_slots + self.k + 1 + tree)
 
     def add(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
-            max_len: int, num_rows: int, features: list[torch.Tensor] | None = None) -> None:
+            max_len: int, num_rows: int, features: list[torch.Tensor] | None = None,
+            processing: list[DraftProcessing | None] | None = None) -> None:
         """Registers requests (prompt + first token) and runs their prompts through the draft.
-        An EAGLE draft needs `features`: the target's hidden states over each prompt."""
+        An EAGLE draft needs `features`: the target's hidden states over each prompt.
+        processing: what each request's drafts need to be processed as the target's are."""
         self.reserve(max(num_rows, len(self.seqs) + len(seq_ids)), max_len)
         new = []
-        for sid, ids, p in zip(seq_ids, token_ids, params):
+        for i, (sid, ids, p) in enumerate(zip(seq_ids, token_ids, params)):
             # independent of the target's stream, and of earlier incarnations' streams
             seed = (p.seed if p.seed is not None else sid) * 2654435761 + 1 + self.incarnation * 0x9E3779B97F4A7C15
             gen = torch.Generator().manual_seed(seed % (2 ** 63))
-            self.seqs[sid] = DraftSequence(sid, list(ids), p, gen, len(ids) - 1)
-            new.append(self.seqs[sid])
+            seq = self.seqs[sid] = DraftSequence(sid, list(ids), p, gen, len(ids) - 1)
+            if processing is not None and processing[i] is not None:
+                seq.prompt_len = processing[i].prompt_len
+                seq.processor = self._processor(p, processing[i], ids[seq.prompt_len:])
+            new.append(seq)
         self._keep_features(seq_ids, features)
         self.drafter.prefill(new)
+
+    def _processor(self, params: SamplingParams, processing: DraftProcessing, output: list[int]) -> LogitsProcessor:
+        """The request's processing, its grammar past the output the target committed."""
+        grammar = None
+        if params.structured_outputs is not None and processing.grammar_tokenizer is not None:
+            sent = processing.grammar_tokenizer
+            tokenizer = self.grammar_tokenizers.setdefault(sent.text, sent)
+            grammar = GrammarMatcher(params.structured_outputs, tokenizer)
+            for token in output:
+                grammar.commit(token)
+        return LogitsProcessor(params, set(processing.stop_ids), grammar)
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
@@ -156,6 +175,9 @@ class Speculator:
                 accepted_len, bonus = outcome
                 committed = len(seq.token_ids)
                 seq.token_ids += seq.spec[:accepted_len] + [bonus]
+                if seq.processor is not None:
+                    for token in seq.spec[:accepted_len] + [bonus]:
+                        seq.processor.commit(token)
                 self.drafter.rollback([seq.seq_id], [committed + accepted_len])
             if branch is not None:
                 seq.spec, probs[i] = branch.tokens, branch.probs
@@ -212,7 +234,10 @@ class Speculator:
         if not seqs or self.num_branches == 0:
             return time.perf_counter() - start
         position_hidden = self._glue(seqs)
-        branch_len, branch_token = self._candidates(seqs, self.draft.logits(position_hidden))
+        logits = self.draft.logits(position_hidden)
+        if (constrain := constraint(seqs)) is not None:  # bonus candidates the target may commit
+            logits = constrain(logits, [chain_contexts(s.spec) for s in seqs])
+        branch_len, branch_token = self._candidates(seqs, logits)
         self._decode_tree(seqs, branch_len, branch_token, position_hidden)
         return time.perf_counter() - start
 
@@ -279,6 +304,10 @@ class Speculator:
         tokens, drafted, probs = first, [], []
         extra = {"features": position_hidden[:, branch_len]} if self.drafter.reads_target_features else {}
         branch_features = []
+        constrain = constraint(seqs)
+        if constrain is not None:  # each branch's text after the committed one: accepted drafts, its bonus, its drafts
+            firsts = first.tolist()
+            contexts = [[s.spec[:j] + [t] for j, t in zip(branch_len, row)] for s, row in zip(seqs, firsts)]
         for depth in range(k):
             span = base_max + (depth + 1) * NB
             slot_ids = torch.arange(span, device=device)
@@ -292,7 +321,10 @@ class Speculator:
             if extra:
                 extra["features"] = hidden
                 branch_features.append(hidden)
-            logits = self.draft.head_logits(hidden).flatten(0, 1)
+            if constrain is None:
+                logits = self.draft.head_logits(hidden).flatten(0, 1)
+            else:
+                logits = constrained_head_logits(self.draft, hidden, constrain, contexts).flatten(0, 1)
             if params.all_greedy:
                 tokens = self.draft.head_token(logits.argmax(-1)).view(B, NB)
             else:
@@ -300,6 +332,8 @@ class Speculator:
                 tokens = self.draft.head_token(sample(q, u[:, :, depth].flatten())).view(B, NB)
                 probs.append(q.view(B, NB, -1))
             drafted.append(tokens)
+            if constrain is not None:
+                contexts = [[c + [t] for c, t in zip(row, new)] for row, new in zip(contexts, tokens.tolist())]
         drafted_t = torch.stack(drafted, -1).tolist()  # [B, NB, K]
         self.drafted_tokens += B * NB * k
         probs_t = torch.stack(probs, 2) if probs else None  # [B, NB, K, head rows]
