@@ -288,3 +288,22 @@ def test_a_request_maps_to_sampling_params():
         assert body.output_constraint().outputs == expected
     body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": ASK, "tools": [WEATHER]})
     assert body.output_constraint() is None  # tool_choice "auto": the model's own format, unconstrained
+
+
+def test_a_reply_in_the_familys_format_is_read_as_tool_calls_whole_and_streamed(client):
+    """tool_choice "auto": the reply, here forced into Qwen's form by a choice, is parsed."""
+    reply = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "unit": "celsius"}}\n</tool_call>'
+    request = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=100,
+                   extra_body={"structured_outputs": {"choice": [reply]}})
+    whole = client.chat.completions.create(**request).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == \
+        [("get_weather", {"city": "Lima", "unit": "celsius"})]
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert content.strip() == "Checking." and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in calls] == \
+        [("get_weather", {"city": "Lima", "unit": "celsius"})]
+    plain = client.chat.completions.create(**{**request, "tool_choice": "none"}).choices[0]  # the control
+    assert plain.finish_reason == "stop" and plain.message.content == reply and not plain.message.tool_calls
