@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--method", default="ar", choices=("ar", "sd", "ssd", "auto"))
     parser.add_argument("--model", help="a GGUF file or folder (default: the embedded model)")
     parser.add_argument("--schemas", type=int, default=len(SCHEMAS), help="the first N schemas")
+    parser.add_argument("--tools", type=int, default=len(TOOLS), help="required calls of the first N tools")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -62,7 +63,7 @@ def main() -> None:
     with LLM(*([args.model] if args.model else []), method=args.method, max_num_seqs=args.batch_size) as llm:
         template = ChatTemplateTools.of(chat_template(llm.tokenizer))
         chats = [llm.encode([{"role": "user", "content": s.prompt}]) for s in schemas]
-        offered = [[tool, TOOLS[i - 1]] for i, tool in enumerate(TOOLS)]
+        offered = [[tool, TOOLS[i - 1]] for i, tool in enumerate(TOOLS[:args.tools])]
         tool_chats = [llm.encode(template.messages([{"role": "user", "content": t["function"]["description"]}], tools),
                                  tools if template.takes_tools else None) for t, tools in zip(TOOLS, offered)]
         parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -84,7 +85,7 @@ def main() -> None:
                       "json_schema_valid": f"{len(schemas) - len(invalid)}/{len(schemas)}",
                       "json_schema_valid_with_formats": f"{with_formats}/{len(schemas)}",
                       "json_schema_stopped": f"{sum(o.finish_reason == 'stop' for o in outputs)}/{len(schemas)}",
-                      "invalid": invalid, "required_calls_valid": f"{valid_calls}/{len(TOOLS)}",
+                      "invalid": invalid, "required_calls_valid": f"{valid_calls}/{len(offered)}",
                       "output_tokens": sum(len(o.token_ids) for o in outputs + call_outputs),
                       "seconds": round(seconds, 1)}))
 
