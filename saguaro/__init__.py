@@ -9,7 +9,8 @@ import importlib
 
 _HOMES = {"LLM": "saguaro.llm", "SamplingParams": "saguaro.engine.sampler", "SpeculativeConfig": "saguaro.config",
           "RequestOutput": "saguaro.outputs", "CompletionOutput": "saguaro.outputs",
-          "RequestMetrics": "saguaro.outputs"}
+          "RequestMetrics": "saguaro.outputs", "StructuredOutputs": "saguaro.engine.structured",
+          "TokenLogprobs": "saguaro.engine.logprobs"}
 
 __all__ = list(_HOMES)
 __version__ = "0.1.0"

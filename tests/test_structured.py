@@ -26,7 +26,6 @@ from saguaro import LLM, SamplingParams
 from saguaro.engine import structured
 from saguaro.engine.processing import LogitsProcessor, chain_contexts
 from saguaro.engine.runner import forward_chunks
-from saguaro.engine.sampler import WarpParams, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, grammar_tokenizer
 from saguaro.models import hub
@@ -46,7 +45,7 @@ NEW = 8
 PATTERN = "(ab[cx])+"
 # After three rounds "x" or the end: where a forced-token check that ignores stop tokens breaks.
 ENDING = "(ab[cx]){1,3}x?"
-PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={3: 1.5, 5: -1.0})
+PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={EOS: -2.0, 3: 1.5, 5: -1.0})
 
 
 @pytest.fixture(scope="module")
@@ -91,46 +90,51 @@ def decode(decoder, params: list[SamplingParams], tokenizer) -> list[list[int]]:
     return [s.output_ids for s in seqs]
 
 
-def reference_probs(model, params: SamplingParams, prompt: list[int], output: list[int], tokenizer,
-                    logits: torch.Tensor) -> torch.Tensor:
+def reference_probs(params: SamplingParams, prompt: list[int], output: list[int], tokenizer,
+                    logits: numpy.ndarray) -> numpy.ndarray:
     """The distribution of each output token, from logits [len(output), V] at its position:
-    processed here position by position (the bias, HF's repetition penalty over prompt and
-    output, OpenAI's frequency and presence penalties over the output, the grammar's mask from a
-    matcher of its own), then warped."""
+    processed here position by position in numpy (the bias, HF's repetition penalty over prompt
+    and output, OpenAI's frequency and presence penalties over the output, the grammar's mask
+    from a matcher of its own), then softmax at the temperature (no top-k or top-p here)."""
     matcher = None
     if params.structured_outputs is not None:
         grammar = params.structured_outputs.llguidance_grammar()
         matcher = llguidance.LLMatcher(grammar_tokenizer(tokenizer, [EOS]).llguidance(), grammar, log_level=0)
+    in_prompt = numpy.isin(numpy.arange(TINY_V), prompt)
     rows = []
     for t, token in enumerate(output):
-        row = logits[t].double().clone()
+        row = logits[t].astype(numpy.float64).copy()
         for i, bias in (params.logit_bias or {}).items():
             row[i] += bias
-        counts = torch.bincount(torch.tensor(output[:t], dtype=torch.long), minlength=TINY_V).double()
-        seen = (counts > 0) | torch.isin(torch.arange(TINY_V), torch.tensor(prompt))
+        counts = numpy.bincount(numpy.array(output[:t], dtype=numpy.int64), minlength=TINY_V).astype(numpy.float64)
         r = params.repetition_penalty
-        row = torch.where(seen, torch.where(row > 0, row / r, row * r), row)
-        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).double()
+        row = numpy.where((counts > 0) | in_prompt, numpy.where(row > 0, row / r, row * r), row)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
         if matcher is not None:
-            allowed = numpy.frombuffer(matcher.compute_logit_bias(), dtype=numpy.bool_)[:TINY_V].copy()
-            row[~torch.from_numpy(allowed)] = float("-inf")
+            allowed = numpy.frombuffer(matcher.compute_logit_bias(), dtype=numpy.bool_)[:TINY_V]
+            row[~allowed] = -numpy.inf
             assert matcher.consume_token(token), f"token {token} breaks the grammar after {output[:t]}"
-        rows.append(row.float())
-    return warp(torch.stack(rows), WarpParams.of([params] * len(output)))
+        row = row / params.temperature
+        e = numpy.exp(row - row.max())
+        rows.append(e / e.sum())
+    return numpy.stack(rows)
 
 
 def pvalue(model, params: list[SamplingParams], outputs: list[list[int]], tokenizer) -> float:
-    """The pooled PIT test of every output token under reference_probs."""
+    """The pooled PIT test of every output token under reference_probs, the target's logits
+    teacher-forced in one pass."""
+    prompt_list = prompts(len(params))
+    chunks = [prompt + output[:-1] for prompt, output in zip(prompt_list, outputs)]
+    cache = new_cache(model, len(chunks), max(len(c) for c in chunks) + 1)
+    hidden = forward_chunks(model, cache, list(range(len(chunks))), chunks, [0] * len(chunks))
+    logits = model.logits(hidden).numpy()
     probs, tokens = [], []
-    for prompt, p, output in zip(prompts(len(params)), params, outputs):
-        chunk = prompt + output[:-1]
-        cache = new_cache(model, 1, len(chunk) + 1)
-        hidden = forward_chunks(model, cache, [0], [chunk], [0])
-        logits = model.logits(hidden[0, len(prompt) - 1:])
-        probs.append(reference_probs(model, p, prompt, output, tokenizer, logits))
+    for i, (prompt, p, output) in enumerate(zip(prompt_list, params, outputs)):
+        start = len(prompt) - 1
+        probs.append(reference_probs(p, prompt, output, tokenizer, logits[i, start:start + len(output)]))
         tokens += output
     v = torch.rand(len(tokens), generator=torch.Generator().manual_seed(0))
-    return ks_pvalue(randomized_pit(torch.cat(probs), torch.tensor(tokens), v))
+    return ks_pvalue(randomized_pit(torch.from_numpy(numpy.concatenate(probs)), torch.tensor(tokens), v))
 
 
 def in_process_ssd(target, tmp_path_factory, draft):
@@ -301,3 +305,46 @@ def test_greedy_methods_equal_ar_on_real_prompts(llm, real_prompts, method):
             assert got == expected, f"{method} differs from AR under {name}"
     finally:
         spec.close()
+
+
+# --- log-probabilities ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["ar", "sd", "trees", "ssd"])
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_logprobs_are_the_targets_at_each_committed_token(target, draft, tiny_tokenizer, tmp_path_factory,
+                                                          method, mode):
+    """Every method's entries equal the log-softmax of the target's logits (processed ones at the
+    request's temperature in "processed" mode) at the token's position, computed apart."""
+    params = [SamplingParams(temperature=0.8, max_tokens=NEW, seed=i, logprobs=3, logprobs_mode=mode,
+                             structured_outputs=StructuredOutputs(regex=PATTERN), **PENALTIES) for i in range(20)]
+    decoder = DECODERS[method](target, draft, tmp_path_factory)
+    seqs = [Sequence(i, prompt, p, [EOS], tiny_tokenizer) for i, (prompt, p) in enumerate(zip(prompts(20), params))]
+    decoder.reserve(len(seqs), len(PROMPT) + 1 + NEW + decoder.lookahead)
+    decoder.prefill(seqs)
+    while active := [s for s in seqs if not s.finished]:
+        decoder.step(active)
+    for seq in seqs:
+        assert [e.token_id for e in seq.logprobs] == seq.output_ids
+        chunk = seq.prompt_ids + seq.output_ids[:-1]
+        hidden = forward_chunks(target, new_cache(target, 1, len(chunk) + 1), [0], [chunk], [0])
+        logits = target.logits(hidden[0, len(seq.prompt_ids) - 1:])
+        if mode == "processed":
+            processor = LogitsProcessor.of(seq.params, {EOS}, GrammarMatcher(seq.params.structured_outputs,
+                                                                              grammar_tokenizer(tiny_tokenizer, [EOS])))
+            logits = processor.process(logits, seq.prompt_ids, [], chain_contexts(seq.output_ids[:-1])) / 0.8
+        expected = torch.log_softmax(logits.float(), -1)
+        got = torch.tensor([e.logprob for e in seq.logprobs])
+        assert torch.allclose(got, expected.gather(-1, torch.tensor(seq.output_ids)[:, None])[:, 0], atol=1e-4)
+        assert [e.top_ids for e in seq.logprobs] == expected.topk(3, -1).indices.tolist()
+
+
+def test_prompt_logprobs_cover_every_prompt_token_after_the_first(target, tiny_tokenizer):
+    decoder = ar_decoder(target)
+    seq = Sequence(0, PROMPT + [4, 5], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), [EOS])
+    decoder.reserve(1, 16)
+    decoder.prefill([seq])
+    hidden = forward_chunks(target, new_cache(target, 1, 8), [0], [seq.prompt_ids], [0])
+    expected = torch.log_softmax(target.logits(hidden[0, :-1]), -1)
+    assert seq.prompt_logprobs[0] is None and len(seq.prompt_logprobs) == len(seq.prompt_ids)
+    got = torch.tensor([e.logprob for e in seq.prompt_logprobs[1:]])
+    assert torch.allclose(got, expected.gather(-1, torch.tensor(seq.prompt_ids[1:])[:, None])[:, 0], atol=1e-5)
