@@ -1,15 +1,14 @@
-"""Structured outputs with a real model: the share of outputs under `json_schema` that parse and
-validate (the `jsonschema` package, formats checked) over the 59 schemas of tests/api_schemas.py,
-the share of `tool_choice: required` calls that validate, and decode tok/s under the schemas
-against the same requests unconstrained, at each batch size:
+"""Structured outputs with a real model, for validity: the share of outputs under `json_schema`
+that parse and validate (the `jsonschema` package) over the 59 schemas of tests/api_schemas.py,
+and the share of `tool_choice: required` calls (the server's schema for them) that validate.
+Speed under a schema against unconstrained is benchmarks/structured.py's.
 
-    python benchmarks/structured_outputs.py                       # AR, batch 1 and 8
-    python benchmarks/structured_outputs.py --method sd --schemas 16 --batch-sizes 8
+    python benchmarks/structured_outputs.py                       # AR, greedy, batches of 8
+    python benchmarks/structured_outputs.py --method sd --schemas 16 --temperature 0.8
 
-The prompts are each schema's request in the model's chat template, the tool calls' each tool's
-request with all 12 tools offered (the server's own templating: saguaro.server.tools). Requests
-run greedy with a fixed max_tokens; the constrained and unconstrained passes take turns batch
-by batch. Prints one JSON line per batch size.
+The prompts are each schema's request in the model's chat template; a tool call's prompt offers
+its tool and the one before it (the server's own templating: saguaro.server.tools). Prints one
+JSON line.
 """
 from __future__ import annotations
 
@@ -33,25 +32,21 @@ from saguaro.server.tools import ChatTemplateTools, forced_calls, required_calls
 FORMATS = jsonschema.FormatChecker()
 
 
-def valid(value, schema: dict) -> bool:
+def valid(value, schema: dict, formats: bool = False) -> bool:
+    """formats: string formats checked too (jsonschema's checker refuses a leap second, which
+    RFC 3339 and llguidance allow)."""
     try:
-        jsonschema.validate(value, schema, format_checker=FORMATS)
+        jsonschema.validate(value, schema, format_checker=FORMATS if formats else None)
     except jsonschema.ValidationError:
         return False
     return True
 
 
-def schema_valid(text: str, schema: dict) -> bool:
+def schema_valid(text: str, schema: dict, formats: bool = False) -> bool:
     try:
-        return valid(json.loads(text), schema)
+        return valid(json.loads(text), schema, formats)
     except ValueError:
         return False
-
-
-def timed(llm: LLM, prompts: list, params: list[SamplingParams]) -> tuple[list, float, int]:
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return outputs, time.perf_counter() - start, sum(len(o.token_ids) for o in outputs)
 
 
 def main() -> None:
@@ -59,47 +54,40 @@ def main() -> None:
     parser.add_argument("--method", default="ar", choices=("ar", "sd", "ssd", "auto"))
     parser.add_argument("--model", help="a GGUF file or folder (default: the embedded model)")
     parser.add_argument("--schemas", type=int, default=len(SCHEMAS), help="the first N schemas")
-    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--tools", type=int, default=len(TOOLS), help="required calls of the first N tools")
+    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
     schemas = SCHEMAS[:args.schemas]
-    with LLM(*([args.model] if args.model else []), method=args.method) as llm:
+    with LLM(*([args.model] if args.model else []), method=args.method, max_num_seqs=args.batch_size) as llm:
         template = ChatTemplateTools.of(chat_template(llm.tokenizer))
         chats = [llm.encode([{"role": "user", "content": s.prompt}]) for s in schemas]
-        tool_chats = [llm.encode(template.messages([{"role": "user", "content": t["function"]["description"]}], TOOLS),
-                                 TOOLS if template.takes_tools else None) for t in TOOLS]
-        calls_schema = required_calls_schema([t["function"] for t in TOOLS], parallel=True)
+        offered = [[tool, TOOLS[i - 1]] for i, tool in enumerate(TOOLS[:args.tools])]
+        tool_chats = [llm.encode(template.messages([{"role": "user", "content": t["function"]["description"]}], tools),
+                                 tools if template.takes_tools else None) for t, tools in zip(TOOLS, offered)]
         parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
-        def params(schema: dict | None) -> SamplingParams:
-            outputs = None if schema is None else StructuredOutputs(json=schema)
-            return SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=outputs)
+        def params(schema: dict, seed: int) -> SamplingParams:
+            return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=seed,
+                                  structured_outputs=StructuredOutputs(json=schema))
 
-        llm.generate([chats[0]], params(schemas[0].schema), use_tqdm=False)  # warm-up: the tokenizer's setup
-        for batch in map(int, args.batch_sizes.split(",")):
-            totals = {"constrained": [0.0, 0], "free": [0.0, 0]}
-            valid_outputs, stopped = 0, 0
-            for at in range(0, len(schemas), batch):
-                group = schemas[at:at + batch]
-                outputs, seconds, tokens = timed(llm, chats[at:at + batch], [params(s.schema) for s in group])
-                totals["constrained"][0] += seconds
-                totals["constrained"][1] += tokens
-                valid_outputs += sum(schema_valid(o.text, s.schema) for o, s in zip(outputs, group))
-                stopped += sum(o.finish_reason == "stop" for o in outputs)
-                _, seconds, tokens = timed(llm, chats[at:at + batch], [params(None)] * len(group))
-                totals["free"][0] += seconds
-                totals["free"][1] += tokens
-            call_outputs = llm.generate(tool_chats, params(calls_schema), use_tqdm=False)
-            calls = [forced_calls(o.text, None) for o in call_outputs]
-            valid_calls = sum(bool(cs) and all(valid(json.loads(c.arguments), parameters[c.name]) for c in cs)
-                              for cs in calls)
-            rate = {k: round(tokens / seconds, 1) for k, (seconds, tokens) in totals.items()}
-            print(json.dumps({"method": args.method, "batch": batch, "schemas": len(schemas),
-                              "json_schema_valid": f"{valid_outputs}/{len(schemas)}",
-                              "json_schema_stopped": f"{stopped}/{len(schemas)}",
-                              "required_calls_valid": f"{valid_calls}/{len(TOOLS)}",
-                              "tok_s_constrained": rate["constrained"], "tok_s_free": rate["free"],
-                              "ratio": round(rate["constrained"] / rate["free"], 2)}))
+        start = time.perf_counter()
+        outputs = llm.generate(chats, [params(s.schema, i) for i, s in enumerate(schemas)], use_tqdm=False)
+        calls_schemas = [required_calls_schema([t["function"] for t in tools], parallel=True) for tools in offered]
+        call_outputs = llm.generate(tool_chats, [params(c, i) for i, c in enumerate(calls_schemas)], use_tqdm=False)
+        seconds = time.perf_counter() - start
+    calls = [forced_calls(o.text, None) for o in call_outputs]
+    valid_calls = sum(bool(cs) and all(valid(json.loads(c.arguments), parameters[c.name]) for c in cs) for cs in calls)
+    invalid = [s.name for s, o in zip(schemas, outputs) if not schema_valid(o.text, s.schema)]
+    with_formats = sum(schema_valid(o.text, s.schema, formats=True) for s, o in zip(schemas, outputs))
+    print(json.dumps({"method": args.method, "temperature": args.temperature, "schemas": len(schemas),
+                      "json_schema_valid": f"{len(schemas) - len(invalid)}/{len(schemas)}",
+                      "json_schema_valid_with_formats": f"{with_formats}/{len(schemas)}",
+                      "json_schema_stopped": f"{sum(o.finish_reason == 'stop' for o in outputs)}/{len(schemas)}",
+                      "invalid": invalid, "required_calls_valid": f"{valid_calls}/{len(offered)}",
+                      "output_tokens": sum(len(o.token_ids) for o in outputs + call_outputs),
+                      "seconds": round(seconds, 1)}))
 
 
 if __name__ == "__main__":

@@ -470,7 +470,7 @@ def create_app(llm: LLM, scheduler: sched.Scheduler, config: ServerConfig) -> Fa
         constraint = body.output_constraint()
         params = body.sampling_params(max_tokens or room, logprobs, prompt_logprobs, constraint)
         if constraint is not None:  # llguidance's view of the tokenizer, built once (0.2 s for 49k tokens)
-            await asyncio.to_thread(grammar_tokenizer, llm.tokenizer, llm.eos_token_ids)
+            await asyncio.to_thread(lambda: grammar_tokenizer(llm.tokenizer, llm.eos_token_ids).llguidance())
         stream = EngineStream(scheduler, shape.prompt_ids, params, inflight, constraint.param if constraint else None)
         reply = Reply(new_id("chatcmpl" if shape.chat else "cmpl"), config.model_name, shape, token_text)
         if body.stream:

@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.structured import StructuredOutputs
-from saguaro.server import tools
+from saguaro.server import tools as tool_calls
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 128  # samples x prompts in one request
@@ -393,9 +393,9 @@ class ChatCompletionRequest(SamplingRequest):
             functions = [t.function.model_dump() for t in self.tools]
             if self.named_function is not None:
                 function = next(f for f in functions if f["name"] == self.named_function)
-                found["tool_choice"] = constraint("tools", json=tools.parameters_schema(function))
+                found["tool_choice"] = constraint("tools", json=tool_calls.parameters_schema(function))
             else:
-                found["tool_choice"] = constraint("tools", json=tools.required_calls_schema(
+                found["tool_choice"] = constraint("tools", json=tool_calls.required_calls_schema(
                     functions, self.parallel_tool_calls))
         return found
 
