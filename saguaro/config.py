@@ -231,6 +231,11 @@ class SpeculativeConfig:
         return replace(self, method=method, **overrides)
 
     @property
+    def drafts_in_process(self) -> bool:
+        """Whether a draft model runs in this process (SD's, and auto's SD rounds)."""
+        return self.method in ("sd", "auto")
+
+    @property
     def tree(self) -> TreeShape | None:
         """The token tree SD grows each round; None: chains of K."""
         if self.tree_topk is None or self.tree_topk == 1:

@@ -520,16 +520,18 @@ def save_checkpoint(model: LlamaModel, folder: str | Path, dtype: torch.dtype = 
 
 
 def load_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu",
-                    embeddings: torch.Tensor | None = None, quantization: str | None = None) -> LlamaModel:
+                    device: str | torch.device = "cpu", embeddings: torch.Tensor | None = None,
+                    quantization: str | None = None, config: ModelConfig | None = None) -> LlamaModel:
     """A saguaro checkpoint; `embeddings` supplies the table when the checkpoint omits it. With
-    `quantization`, its projections are quantized as `quantize_checkpoint` says."""
+    `quantization`, its projections are quantized as `quantize_checkpoint` says. config: its
+    config.json where the caller has read it already."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    if not is_saguaro_checkpoint(folder):
-        raise ModelNotFoundError(f"{folder} is not a saguaro checkpoint (config.json + model.safetensors)")
-    config = ModelConfig.load(folder / "config.json")
+    if config is None:
+        if not is_saguaro_checkpoint(folder):
+            raise ModelNotFoundError(f"{folder} is not a saguaro checkpoint (config.json + model.safetensors)")
+        config = ModelConfig.load(folder / "config.json")
     state = load_file(folder / "model.safetensors")
     if SHARED_EMBEDDING not in state:
         if embeddings is None:
@@ -573,28 +575,30 @@ def quantize_checkpoint(model: LlamaModel, mode: str) -> None:
 
 
 def load_draft(path: str | Path, target: LlamaModel, dtype: torch.dtype | None = None,
-               device: str | torch.device | None = None, tokens: int | None = None) -> LlamaModel:
+               device: str | torch.device | None = None, tokens: int | None = None,
+               config: ModelConfig | None = None) -> LlamaModel:
     """A draft for `target`: a saguaro checkpoint (embeddings borrowed from the target when the
     draft omits them) or any other checkpoint load_model reads. Vocabularies must match, or be
-    one tokenizer's of `tokens` tokens (check_pair's) padded to different numbers of rows
-    (fit_vocabulary). It is quantized as the target was (`quantize_checkpoint`), where it runs
-    in the target's dtype."""
+    one tokenizer's of `tokens` tokens (pairing.match_tokenizers') padded to different numbers
+    of rows (fit_vocabulary). It is quantized as the target was (`quantize_checkpoint`), where
+    it runs in the target's dtype. config: a saguaro checkpoint's config.json, where the caller
+    has read it (pairing.DraftPairing)."""
     dtype, device = dtype or target.dtype, device or target.device
     quantization = target.quantization if dtype == target.dtype else None
-    if not is_saguaro_checkpoint(path):
+    if config is None and not is_saguaro_checkpoint(path):
         draft = load_model(path, dtype, device, quantization)
         if tokens is not None:
             return fit_vocabulary(draft, target.config.vocab_size, tokens)
         _check_vocab(draft.config, target.config, path)
         return draft
-    config = ModelConfig.load(Path(path) / "config.json")
+    config = config or ModelConfig.load(Path(path) / "config.json")
     _check_vocab(config, target.config, path)
     embeddings = target.embed_tokens.weight.detach()
     if config.hidden_size != target.config.hidden_size and not _has_own_embeddings(path):
         raise IncompatibleDraftError(
             f"draft {path} borrows the target's embeddings but its width {config.hidden_size} "
             f"differs from the target's {target.config.hidden_size}")
-    return load_checkpoint(path, dtype, device, embeddings=embeddings, quantization=quantization)
+    return load_checkpoint(path, dtype, device, embeddings=embeddings, quantization=quantization, config=config)
 
 
 def fit_vocabulary(draft: LlamaModel, rows: int, tokens: int) -> LlamaModel:
@@ -643,10 +647,11 @@ def _check_vocab(draft: ModelConfig, target: ModelConfig, path) -> None:
             "speculative decoding needs the same tokenizer")
 
 
-def tokenizer_identity(path: str | Path) -> tuple[list[str], int | None, int | None] | None:
+def tokenizer_identity(path: str | Path, tokenizer=None) -> tuple[list[str], int | None, int | None] | None:
     """(token strings by id, BOS id, EOS id) of a checkpoint's tokenizer: a GGUF file's
-    `tokenizer.ggml.*` metadata or a Hugging Face folder's tokenizer; None for a checkpoint
-    without a tokenizer of its own (saguaro's drafts, weights saved alone)."""
+    `tokenizer.ggml.*` metadata or a Hugging Face folder's tokenizer (`tokenizer`, where the
+    caller has loaded it); None for a checkpoint without a tokenizer of its own (saguaro's
+    drafts, weights saved alone)."""
     if is_saguaro_checkpoint(path):
         return None
     folder, gguf_file = checkpoint_files(Path(path))
@@ -658,34 +663,8 @@ def tokenizer_identity(path: str | Path) -> tuple[list[str], int | None, int | N
                 fields.get("tokenizer.ggml.eos_token_id"))
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    tokenizer = load_tokenizer(path)
+    tokenizer = tokenizer or load_tokenizer(path)
     return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))), tokenizer.bos_token_id, tokenizer.eos_token_id
-
-
-def check_pair(draft: str | Path, target: str | Path) -> int | None:
-    """Raises IncompatibleDraftError where the draft's tokenizer differs from the target's: in
-    its number of tokens, in any token's string, or in its BOS or EOS id. Returns the number of
-    tokens of the tokenizer they share (load_draft fits a vocabulary padded to other rows than
-    the target's to it); None where a checkpoint has no tokenizer of its own, which is left to
-    load_draft's vocabulary check."""
-    draft_tokenizer, target_tokenizer = tokenizer_identity(draft), tokenizer_identity(target)
-    if draft_tokenizer is None or target_tokenizer is None:
-        return None
-    (draft_tokens, *draft_special), (target_tokens, *target_special) = draft_tokenizer, target_tokenizer
-    if len(draft_tokens) != len(target_tokens):
-        raise IncompatibleDraftError(
-            f"the draft's vocabulary has {len(draft_tokens)} tokens, the target's tokenizer "
-            f"{len(target_tokens)}: speculative decoding needs the same tokenizer")
-    if draft_tokens != target_tokens:
-        token = next(i for i, (a, b) in enumerate(zip(draft_tokens, target_tokens)) if a != b)
-        raise IncompatibleDraftError(
-            f"token {token} is {draft_tokens[token]!r} in the draft and {target_tokens[token]!r} in the "
-            "target: speculative decoding needs the same tokenizer")
-    for name, ours, theirs in zip(("BOS", "EOS"), draft_special, target_special):
-        if ours != theirs:
-            raise IncompatibleDraftError(f"{name} is {ours} in the draft and {theirs} in the target: "
-                                         "speculative decoding needs the same special tokens")
-    return len(target_tokens)
 
 
 def _has_own_embeddings(folder: str | Path) -> bool:
