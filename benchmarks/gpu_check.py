@@ -42,7 +42,8 @@ from saguaro.models import graphs, hub  # noqa: E402
 from saguaro.models.config import ModelConfig  # noqa: E402
 from saguaro.models.kv_cache import new_cache  # noqa: E402
 from saguaro.models.llama import LlamaModel  # noqa: E402
-from saguaro.models.loader import load_model, load_tokenizer  # noqa: E402
+from saguaro.models.loader import load_model  # noqa: E402
+from saguaro.models.tokenizer import load_tokenizer  # noqa: E402
 from saguaro.speculation.policy.auto import AutoPolicy  # noqa: E402
 from saguaro.speculation.policy.planning import HardwareProfile, forecast  # noqa: E402
 

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 
 from saguaro.models import hub
 from saguaro.models.graphs import SETTINGS as GRAPH_SETTINGS
-from saguaro.models.loader import resolve_dtype
-from saguaro.models.quantized import MODES
+from saguaro.models.quantized import MODES, resolve_dtype
 
 if TYPE_CHECKING:
     import torch

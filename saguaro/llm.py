@@ -16,7 +16,8 @@ from saguaro.engine.loop import AdmissionLimits, Engine
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models import graphs, hub
-from saguaro.models.loader import load_model, resolve_dtype
+from saguaro.models.loader import load_model
+from saguaro.models.quantized import resolve_dtype
 from saguaro.models.pairing import ResolvedModel, load_paired_draft, resolve_model
 from saguaro.models.kv_cache import kv_bytes_per_token
 from saguaro.models.tensor_parallel import tensor_parallel

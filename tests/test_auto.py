@@ -23,7 +23,7 @@ import saguaro.engine.verifier as verification
 from saguaro.engine.round import Decoder
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
-from saguaro.models.loader import save_checkpoint
+from saguaro.models.checkpoint import save_checkpoint
 from saguaro.speculation.policy import auto as auto_module
 from saguaro.speculation import build
 from saguaro.speculation.build import sd_drafter

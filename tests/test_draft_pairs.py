@@ -16,8 +16,8 @@ import saguaro.engine.verifier as verification
 from saguaro.engine.verify import verify
 from saguaro.models.gguf_file import read_gguf_file
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import IncompatibleDraftError, fit_vocabulary, load_tokenizer
-from saguaro.models.pairing import resolve_model
+from saguaro.models.pairing import IncompatibleDraftError, fit_vocabulary, resolve_model
+from saguaro.models.tokenizer import load_tokenizer
 from test_exactness import ALPHA, TINY_V, residual_is_p, sampled, sd_pvalue, tiny_model
 from test_gguf import TOKENIZER_WRITERS, write_gguf
 

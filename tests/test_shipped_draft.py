@@ -3,7 +3,7 @@ import dataclasses
 
 import torch
 
-from saguaro.models import hub, loader
+from saguaro.models import hub, pairing
 from saguaro.models.config import ModelConfig
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel
@@ -17,7 +17,7 @@ def test_shipped_draft_is_small_and_loads_against_the_target_shape():
     assert config.head_vocab_size and config.head_vocab_size < config.vocab_size
     # a stand-in with the target's shape but no layers: the draft only borrows its embeddings
     target = LlamaModel(dataclasses.replace(config, num_layers=0, head_vocab_size=None, tie_word_embeddings=True))
-    draft = loader.load_draft(folder, target, torch.bfloat16)
+    draft = pairing.load_draft(folder, target, torch.bfloat16)
     cache = KVCache(draft.config, 1, 4, torch.bfloat16)
     logits = draft.logits(draft(torch.tensor([[1, 2, 3, 4]]), torch.arange(4)[None], cache))
     assert logits.shape == (1, 4, config.vocab_size)

@@ -20,7 +20,7 @@ from saguaro.models import hub
 from saguaro.models.config import ModelConfig
 from saguaro.models.kv_cache import new_cache
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import save_checkpoint
+from saguaro.models.checkpoint import save_checkpoint
 from saguaro.models.tensor_parallel import shard_config, shard_state, split, tensor_parallel
 from saguaro.models.pairing import load_paired_draft, resolve_model
 from saguaro.speculation.build import make_decoder, ssd_decoder, ssd_proposer

@@ -26,8 +26,7 @@ from saguaro.engine.round import Decoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
 from saguaro.models import hub
-from saguaro.models.loader import load_draft
-from saguaro.models.pairing import load_paired_draft, resolve_model
+from saguaro.models.pairing import load_draft, load_paired_draft, resolve_model
 from saguaro.speculation.build import make_decoder
 from saguaro.speculation.policy.auto import AutoPolicy
 from saguaro.speculation.remote.proposer import RemoteProposer, SSDStats

@@ -18,8 +18,7 @@ from saguaro.engine.round import Choice, Decoder, FixedPolicy
 from saguaro.engine.verifier import Verifier
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import IncompatibleDraftError
-from saguaro.models.pairing import DraftPairing, ResolvedModel
+from saguaro.models.pairing import DraftPairing, IncompatibleDraftError, ResolvedModel
 from saguaro.models.prefix_cache import PrefixCache, new_prefix_cache
 from saguaro.speculation.local.drafters import Drafter, PromptLookupDrafter, model_drafter
 from saguaro.speculation.local.proposer import DraftProposer
