@@ -261,7 +261,7 @@ def check_speed(args, plan: Plan, budget: Budget) -> dict:
             break
         with engine(args, name.split("_")[0], **options) as llm:
             if name == "auto" and isinstance(llm.decoder.policy, AutoPolicy):
-                llm.decoder.policy.wait_for_ssd(start=True)  # SSD among its choices from the first round
+                llm.wait_for_ssd(start=True)  # SSD among its choices from the first round
             rates[name] = {}
             for batch in plan.batch_sizes:
                 rates[name][batch] = decode_rate(llm, (prompts * batch)[:batch], plan.new_tokens)

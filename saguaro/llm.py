@@ -96,6 +96,12 @@ class LLM:
     def decoder(self) -> Decoder:
         return self.engine.decoder
 
+    def wait_for_ssd(self, start: bool = False) -> None:
+        """Blocks until method="auto"'s SSD worker is up (or failed to start), so that SSD is
+        among its choices from the next round; start: start it now rather than when auto first
+        judges it worth a core. Returns at once for other methods."""
+        self.decoder.wait_for_ssd(start)
+
     def close(self) -> None:
         """Stops the draft worker, if any, and a tensor-parallel target's other ranks (also done
         at exit), and gives back the core the worker had."""

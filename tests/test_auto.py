@@ -603,7 +603,7 @@ def test_ssd_stints_hand_the_worker_what_it_lacks_and_give_the_cores_back(target
 def auto() -> LLM:
     """auto on the real model, with its SSD worker on the last core (where there are two)."""
     with LLM(hub.DEFAULT_MODEL, method="auto", dtype="float32") as llm:
-        llm.decoder.policy.wait_for_ssd(start=True)
+        llm.wait_for_ssd(start=True)
         yield llm
 
 

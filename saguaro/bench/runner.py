@@ -124,9 +124,9 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
             if name == "ssd":
                 cores["ssd"] = usable_cores(), torch.get_num_threads()
                 use_cores(*cores["all"])  # auto's SSD shares out what it finds
+    if "auto" in decoders:
+        decoders["auto"].wait_for_ssd()
     auto = decoders["auto"].policy if "auto" in decoders else None
-    if isinstance(auto, AutoPolicy) and auto.cores is not None:
-        auto.wait_for_ssd()
     held = {name: cores["all"][1] for name in config.methods}
     if "ssd" in held:
         held["ssd"] = cores["ssd"][1] + (spec.draft_device == "cpu" and not spec.draft_address)
