@@ -19,7 +19,8 @@ from saguaro import LLM, SamplingParams
 from saguaro.engine.runner import forward_chunks
 from saguaro.models import hub
 from saguaro.models.kv_cache import new_cache
-from saguaro.models.loader import load_model, resolve_dtype
+from saguaro.models.loader import load_model
+from saguaro.models.quantized import resolve_dtype
 
 SHAPES = [(1, 1), (1, 6), (4, 6), (8, 1), (8, 6), (1, 256)]  # (requests, tokens); (1, 256) a prefill
 

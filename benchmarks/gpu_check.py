@@ -46,9 +46,10 @@ from saguaro.engine.runner import forward_chunks  # noqa: E402
 from saguaro.models import graphs, hub  # noqa: E402
 from saguaro.models.kv_cache import new_cache  # noqa: E402
 from saguaro.models.llama import LlamaModel  # noqa: E402
-from saguaro.models.loader import load_draft, load_model, load_tokenizer  # noqa: E402
+from saguaro.models.loader import load_model  # noqa: E402
+from saguaro.models.pairing import load_draft  # noqa: E402
+from saguaro.models.tokenizer import load_tokenizer  # noqa: E402
 from saguaro.models.twin import TwinShape, load_twin  # noqa: E402
-from saguaro.speculation.policy.auto import AutoPolicy  # noqa: E402
 from saguaro.speculation.policy.planning import HardwareProfile, forecast  # noqa: E402
 
 PROMPTS = [  # code and chat, written for this check (the datasets' packages may be missing there)
@@ -333,8 +334,8 @@ def measure_configuration(args, plan: Plan, name: str, draft_device: str | None,
                           rates: dict, sampled: dict, figures: dict, waits: dict) -> None:
     """One engine's rates at each batch size, greedy and sampled, and its metrics, into the tables."""
     with engine(args, name.split("_")[0], draft_device, **options) as llm:
-        if name == "auto" and isinstance(llm.decoder.policy, AutoPolicy):
-            llm.decoder.policy.wait_for_ssd(start=True)  # SSD among its choices from the first round
+        if name == "auto":
+            llm.wait_for_ssd(start=True)  # SSD among its choices from the first round
         rates[name], sampled[name] = {}, {}
         for batch in plan.batch_sizes:
             rates[name][batch] = decode_rate(llm, (prompts * batch)[:batch], plan.new_tokens)

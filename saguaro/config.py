@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 
 from saguaro.models import hub
 from saguaro.models.graphs import SETTINGS as GRAPH_SETTINGS
-from saguaro.models.loader import resolve_dtype
-from saguaro.models.quantized import MODES
+from saguaro.models.quantized import MODES, resolve_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -229,6 +228,11 @@ class SpeculativeConfig:
         if method == "ssd":
             overrides = {"tree_topk": None, "num_draft_tokens": None, **overrides}
         return replace(self, method=method, **overrides)
+
+    @property
+    def drafts_in_process(self) -> bool:
+        """Whether a draft model runs in this process (SD's, and auto's SD rounds)."""
+        return self.method in ("sd", "auto")
 
     @property
     def tree(self) -> TreeShape | None:

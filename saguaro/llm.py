@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections.abc import Callable, Sequence as SequenceABC
-from dataclasses import asdict
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
@@ -16,7 +16,9 @@ from saguaro.engine.loop import AdmissionLimits, Engine
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models import graphs, hub
-from saguaro.models.loader import load_model, load_tokenizer, resolve_dtype
+from saguaro.models.loader import load_model
+from saguaro.models.quantized import resolve_dtype
+from saguaro.models.pairing import ResolvedModel, load_paired_draft, resolve_model
 from saguaro.models.kv_cache import kv_bytes_per_token
 from saguaro.models.llama import LlamaModel
 from saguaro.models.tensor_parallel import tensor_parallel
@@ -28,7 +30,8 @@ Prompt = str | list[dict] | list[int]
 
 class LLM:
     """A target model and how to decode it: LLM(model, **options), each option a field of
-    EngineConfig (how the model runs, how many sequences run at once) or of SpeculativeConfig.
+    EngineConfig (how the model runs, how many sequences run at once) or of SpeculativeConfig;
+    `model` may also be a whole EngineConfig, taken as it is.
 
     speculative_config: a SpeculativeConfig (or a dict of its fields) saying whether and how to
     speculate; its fields may also be given as keywords, e.g. LLM(model, method="ssd",
@@ -61,30 +64,35 @@ class LLM:
     tokenizer and the draft), e.g. a twin (saguaro.models.twin) that several engines share.
     """
 
-    def __init__(self, model: str = hub.DEFAULT_MODEL, speculative_config: SpeculativeConfig | dict | None = None,
-                 target: LlamaModel | None = None, **options):
+    def __init__(self, model: str | EngineConfig = hub.DEFAULT_MODEL,
+                 speculative_config: SpeculativeConfig | dict | None = None, target: LlamaModel | None = None,
+                 **options):
         engine_options, speculative_options = split_options(options)
-        self.engine_config = config = EngineConfig(model, **engine_options)
-        self.speculative_config = SpeculativeConfig.of(speculative_config, **speculative_options)
+        if isinstance(model, EngineConfig):
+            self.engine_config = config = replace(model, **engine_options) if engine_options else model
+        else:
+            self.engine_config = config = EngineConfig(model, **engine_options)
+        self.speculative_config = spec = SpeculativeConfig.of(speculative_config, **speculative_options)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype)
-        path = hub.resolve(model)
-        self.tokenizer = load_tokenizer(path)
+        self.model: ResolvedModel = resolve_model(config.model, spec.draft, spec.ssd_draft, spec.method != "ar")
+        self.tokenizer = self.model.tokenizer
         if target is not None:  # already loaded (e.g. a twin of `model`: saguaro.models.twin), shared by engines
             self.target = target
         elif config.tensor_parallel_size > 1:
-            self.target = tensor_parallel(path, self.dtype, config.tensor_parallel_size, config.device,
+            self.target = tensor_parallel(self.model.path, self.dtype, config.tensor_parallel_size, config.device,
                                           config.batch_invariant)
         else:
-            self.target = load_model(path, self.dtype, config.device, config.quantization)
+            self.target = load_model(self.model.path, self.dtype, config.device, config.quantization)
         self.target.set_batch_invariant(config.batch_invariant)
         graphs.attach(self.target, config.cuda_graphs)
         self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]
         self._ids = itertools.count()
-        decoder = make_decoder(self.target, self.speculative_config, str(model), config.prefix_cache_budget_mb)
-        self.engine = Engine(decoder, admission_limits(config, kv_bytes_per_token(self.target.config,
-                                                                                  self.target.dtype)))
+        draft = load_paired_draft(self.model, self.target) if spec.drafts_in_process else None
+        decoder = make_decoder(self.target, spec, self.model, draft, config.prefix_cache_budget_mb)
+        self.engine = Engine(decoder, AdmissionLimits.of_budget(config.max_num_seqs, config.kv_cache_mb,
+                                                                kv_bytes_per_token(self.target.config, self.target.dtype)))
 
     @property
     def method(self) -> str:
@@ -93,6 +101,12 @@ class LLM:
     @property
     def decoder(self) -> Decoder:
         return self.engine.decoder
+
+    def wait_for_ssd(self, start: bool = False) -> None:
+        """Blocks until method="auto"'s SSD worker is up (or failed to start), so that SSD is
+        among its choices from the next round; start: start it now rather than when auto first
+        judges it worth a core. Returns at once for other methods."""
+        self.decoder.wait_for_ssd(start)
 
     def close(self) -> None:
         """Stops the draft worker, if any, and a tensor-parallel target's other ranks (also done
@@ -184,11 +198,6 @@ class LLM:
                              metrics=first.metrics, outputs=outputs, prompt_logprobs=samples[0].prompt_logprobs)
 
 
-def admission_limits(config: EngineConfig, kv_bytes: int) -> AdmissionLimits:
-    """The engine's limits: config.kv_cache_mb in tokens of kv_bytes each."""
-    return AdmissionLimits(config.max_num_seqs, int(config.kv_cache_mb * 2**20) // kv_bytes)
-
-
 def add_llm_arguments(parser: argparse.ArgumentParser, defaults: dict[str, tuple[object, str]] | None = None) -> None:
     """LLM's options on a command line: EngineConfig's, then SpeculativeConfig's. defaults:
     EngineConfig field -> (another default, how the help should describe it)."""
@@ -198,5 +207,4 @@ def add_llm_arguments(parser: argparse.ArgumentParser, defaults: dict[str, tuple
 
 def llm_from_args(args: argparse.Namespace) -> LLM:
     """The LLM the options of add_llm_arguments describe."""
-    options = asdict(engine_config_from_args(args))
-    return LLM(options.pop("model"), speculative_config_from_args(args), **options)
+    return LLM(engine_config_from_args(args), speculative_config_from_args(args))

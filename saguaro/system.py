@@ -22,20 +22,6 @@ def usable_cores() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def split_cores(draft_device: str, workers: int = 1) -> tuple[str | None, tuple[set[int], int] | None]:
-    """On CPU, the draft workers get the last cores (one each, as far as one core is left) and
-    this process keeps the others, so drafting and verifying really run in parallel. Returns
-    the workers' cores and this process's cores and threads before (for use_cores to give them
-    back), or Nones."""
-    cores = sorted(usable_cores())
-    if draft_device != "cpu" or len(cores) < 2:
-        return None, None
-    before = set(cores), torch.get_num_threads()
-    kept = max(1, len(cores) - workers)
-    use_cores(set(cores[:kept]), kept)
-    return ",".join(map(str, cores[kept:])), before
-
-
 @dataclass
 class CoreShare:
     """The cores and threads the target runs on: all of them for AR and SD, fewer for SSD

@@ -14,7 +14,7 @@ import torch
 from saguaro.config import SpeculativeConfig
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
-from saguaro.models.loader import load_checkpoint
+from saguaro.models.checkpoint import load_checkpoint
 from saguaro.speculation.build import ar_decoder
 from saguaro.speculation.protocol import DraftSpec
 from saguaro.speculation.remote.client import DraftClient, WorkerConfig

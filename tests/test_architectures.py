@@ -11,7 +11,8 @@ from drafts import InProcessDraft, sd_decoder, ssd_decoder, ssd_of, worker_confi
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models.kv_cache import KVCache
-from saguaro.models.loader import load_checkpoint, load_model, save_checkpoint
+from saguaro.models.checkpoint import load_checkpoint, save_checkpoint
+from saguaro.models.loader import load_model
 from saguaro.speculation.build import ar_decoder
 from test_parity import CONFIGS, FOUR_LAYERS, SMALL, TOKEN_IDS, hf_logits, saguaro_logits
 from test_ssd import decode_all

@@ -23,7 +23,7 @@ import saguaro.engine.verifier as verification
 from saguaro.engine.round import Decoder
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
-from saguaro.models.loader import save_checkpoint
+from saguaro.models.checkpoint import save_checkpoint
 from saguaro.speculation.policy import auto as auto_module
 from saguaro.speculation import build
 from saguaro.speculation.build import sd_drafter
@@ -617,7 +617,7 @@ def test_ssd_stints_hand_the_worker_what_it_lacks_and_give_the_cores_back(target
 def auto() -> LLM:
     """auto on the real model, with its SSD worker on the last core (where there are two)."""
     with LLM(hub.DEFAULT_MODEL, method="auto", dtype="float32") as llm:
-        llm.decoder.policy.wait_for_ssd(start=True)
+        llm.wait_for_ssd(start=True)
         yield llm
 
 

@@ -14,7 +14,7 @@ from saguaro import SamplingParams
 from saguaro.bench import peers, report
 from saguaro.models import hub
 from saguaro.models.kv_cache import KVCache
-from saguaro.models.loader import load_draft
+from saguaro.models.pairing import load_draft
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,8 @@ def loads(llm, monkeypatch) -> list[dict]:
     speculative config's fields among them)."""
     calls = []
 
-    def fake_llm(model, speculative_config, **kwargs):
-        calls.append({"model": model, **asdict(speculative_config), **kwargs})
+    def fake_llm(engine_config, speculative_config):
+        calls.append({**asdict(engine_config), **asdict(speculative_config)})
         return llm
 
     monkeypatch.setattr(saguaro.llm, "LLM", fake_llm)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from saguaro.distill.draft import DraftSpec, init_draft
-from saguaro.models import loader
+from saguaro.models import checkpoint, hub, loader, pairing
 from saguaro.models.config import ModelConfig
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel
@@ -50,34 +50,34 @@ def test_draft_checkpoint_round_trip_without_embeddings(tmp_path):
     draft = init_draft(target, DraftSpec(layers=(1,), head_vocab=8), torch.arange(0, 40, 5))
     with torch.no_grad():
         draft.layers[0].mlp.down_proj.weight.add_(0.01)  # differ from the target's layer
-    loader.save_checkpoint(draft, tmp_path / "draft", dtype=torch.float32)
+    checkpoint.save_checkpoint(draft, tmp_path / "draft", dtype=torch.float32)
     from safetensors import safe_open
     with safe_open(tmp_path / "draft" / "model.safetensors", "pt") as f:
         assert "embed_tokens.weight" not in f.keys()
-    loaded = loader.load_draft(tmp_path / "draft", target)
+    loaded = pairing.load_draft(tmp_path / "draft", target)
     assert loaded.config == draft.config
     torch.testing.assert_close(run(loaded, [4, 5, 6]), run(draft, [4, 5, 6]))
-    with pytest.raises(loader.ModelNotFoundError, match="load_draft"):
+    with pytest.raises(hub.ModelNotFoundError, match="load_draft"):
         loader.load_model(tmp_path / "draft")
 
 
 def test_full_checkpoint_loads_on_its_own(tmp_path):
     model = tiny()
-    loader.save_checkpoint(model, tmp_path / "m", dtype=torch.float32, share_embeddings=False)
+    checkpoint.save_checkpoint(model, tmp_path / "m", dtype=torch.float32, share_embeddings=False)
     torch.testing.assert_close(run(loader.load_model(tmp_path / "m"), [1, 2]), run(model, [1, 2]))
 
 
 def test_draft_with_another_vocabulary_is_refused(tmp_path):
     target = tiny()
     other = tiny(vocab=60)
-    loader.save_checkpoint(other, tmp_path / "other", share_embeddings=False)
-    with pytest.raises(loader.IncompatibleDraftError, match="vocabulary"):
-        loader.load_draft(tmp_path / "other", target)
+    checkpoint.save_checkpoint(other, tmp_path / "other", share_embeddings=False)
+    with pytest.raises(pairing.IncompatibleDraftError, match="vocabulary"):
+        pairing.load_draft(tmp_path / "other", target)
 
 
 def test_shared_embeddings_need_the_same_width(tmp_path):
     target = tiny()
     narrow = LlamaModel(dataclasses.replace(target.config, hidden_size=16, num_heads=2, num_kv_heads=1))
-    loader.save_checkpoint(narrow, tmp_path / "narrow")
-    with pytest.raises(loader.IncompatibleDraftError, match="width"):
-        loader.load_draft(tmp_path / "narrow", target)
+    checkpoint.save_checkpoint(narrow, tmp_path / "narrow")
+    with pytest.raises(pairing.IncompatibleDraftError, match="width"):
+        pairing.load_draft(tmp_path / "narrow", target)

@@ -16,7 +16,8 @@ import saguaro.engine.verifier as verification
 from saguaro.engine.verify import verify
 from saguaro.models.gguf_file import read_gguf_file
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import IncompatibleDraftError, check_pair, fit_vocabulary, load_tokenizer
+from saguaro.models.pairing import IncompatibleDraftError, fit_vocabulary, resolve_model
+from saguaro.models.tokenizer import load_tokenizer
 from test_exactness import ALPHA, TINY_V, residual_is_p, sampled, sd_pvalue, tiny_model
 from test_gguf import TOKENIZER_WRITERS, write_gguf
 
@@ -196,7 +197,7 @@ def hf_draft(files, tmp_path_factory):
 @pytest.mark.parametrize("method", ["sd", "ssd"])
 def test_a_hugging_face_draft_for_a_gguf_target_decodes_as_ar(files, ar_tokens, hf_draft, method):
     """Tokenizers compared across formats: a folder's tokenizer against a GGUF file's fields."""
-    assert check_pair(hf_draft, files[0]) == len(load_tokenizer(files[0]))
+    assert resolve_model(str(files[0]), str(hf_draft)).draft.tokens == len(load_tokenizer(files[0]))
     with LLM(str(files[0]), method=method, draft=str(hf_draft), dtype="float32") as llm:
         assert greedy(llm) == ar_tokens
         assert llm.decoder.counters.num_draft_tokens > 0

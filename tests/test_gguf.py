@@ -23,7 +23,8 @@ from saguaro.engine.sampler import SamplingParams
 from saguaro.models.config import UnsupportedModelError
 from saguaro.models.gguf_file import read_gguf_file
 from saguaro.models.kv_cache import KVCache
-from saguaro.models.loader import load_model, load_tokenizer
+from saguaro.models.loader import load_model
+from saguaro.models.tokenizer import load_tokenizer
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

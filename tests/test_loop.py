@@ -9,7 +9,8 @@ from saguaro import LLM, SamplingParams
 from saguaro.engine.loop import AdmissionLimits, Engine
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import load_tokenizer, save_checkpoint
+from saguaro.models.checkpoint import save_checkpoint
+from saguaro.models.tokenizer import load_tokenizer
 from saguaro.engine.sequence import Sequence
 from saguaro.speculation.worker.cache import SpeculationCache
 from test_scheduler import CountingDecoder, CountingTokenizer

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from saguaro.models import loader, native
+from saguaro.models import checkpoint, gguf_blocks, gguf_weights, loader, native, pairing
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.quantized import (FILE_FLOATS, GROUP, FileBlocks, GroupInt4, GroupInt6, GroupInt8, GroupLinear,
                                       Int4Linear, StackedCodes, native_tiles)
@@ -365,7 +365,7 @@ def test_a_float_files_projections_are_tiled_straight_from_the_map(kind, tmp_pat
     tensors = {name: (gguf.quants.quantize(array, gguf_type), gguf_type)
                for name, array in gguf_tensors(source, "llama").items() if array.ndim == 2}
     path = write_gguf(tmp_path / f"{kind}.gguf", source, "llama", "llama float", tensors=tensors)
-    _, state = loader.read_gguf(path)
+    _, state = gguf_weights.read_gguf(path)
     projections = [v for n, v in state.items() if n.endswith("_proj.weight") or n == "model.embed_tokens.weight"]
     assert len(projections) == 2 * 7 + 1 and all(isinstance(v, FileBlocks) and v.bits == 16 for v in projections)
     tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -375,8 +375,8 @@ def test_a_float_files_projections_are_tiled_straight_from_the_map(kind, tmp_pat
 
     mapped = logits(loader.load_model(path, torch.bfloat16))
     with monkeypatch.context() as patch:  # the weights dequantized to fp32 tensors first, as before
-        blocks = loader.file_blocks
-        patch.setattr(loader, "file_blocks", lambda t: None if int(t.tensor_type) in FILE_FLOATS else blocks(t))
+        blocks = gguf_blocks.file_blocks
+        patch.setattr(gguf_weights, "file_blocks", lambda t: None if int(t.tensor_type) in FILE_FLOATS else blocks(t))
         dequantized = logits(loader.load_model(path, torch.bfloat16))
     assert mapped.std() > 0.01 and torch.equal(mapped, dequantized)
     with monkeypatch.context() as patch:
@@ -392,17 +392,17 @@ def test_a_float_draft_runs_on_the_kernels_where_its_target_does(smollm2_path):
     from saguaro.models import hub
 
     target = loader.load_model(smollm2_path, torch.bfloat16)
-    draft = loader.load_draft(hub.DRAFTS_DIR / "smollm2", target)
+    draft = pairing.load_draft(hub.DRAFTS_DIR / "smollm2", target)
     assert target.quantization == draft.quantization == "auto" and draft.native_layers is not None
     assert isinstance(draft.lm_head, GroupLinear)
-    plain = loader.load_checkpoint(hub.DRAFTS_DIR / "smollm2", torch.bfloat16, embeddings=target.embed_tokens.weight)
+    plain = checkpoint.load_checkpoint(hub.DRAFTS_DIR / "smollm2", torch.bfloat16, embeddings=target.embed_tokens.weight)
     tokens = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
     fast = draft.head_logits(hidden_states(draft, tokens).bfloat16())
     reference = plain.head_logits(hidden_states(plain, tokens).bfloat16())
     # int4 weights and 8-bit activations: the same draft, roughly (random tokens, the worst case)
     assert relative_error(fast, reference) < 0.3
     assert (fast.argmax(-1) == reference.argmax(-1)).float().mean() > 0.7
-    fp32 = loader.load_draft(hub.DRAFTS_DIR / "smollm2", loader.load_model(smollm2_path, torch.float32))
+    fp32 = pairing.load_draft(hub.DRAFTS_DIR / "smollm2", loader.load_model(smollm2_path, torch.float32))
     assert fp32.native_layers is None and fp32.quantization == "none"
 
 

@@ -12,7 +12,8 @@ import transformers
 from saguaro.models.config import ModelConfig, UnsupportedModelError
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import build_model, load_model, read_checkpoint
+from saguaro.models.build import build_model
+from saguaro.models.loader import load_model, read_checkpoint
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

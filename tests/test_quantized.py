@@ -10,7 +10,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 
-from saguaro.models import loader, native
+from saguaro.models import build, gguf_blocks, gguf_config, loader, native
 from saguaro.models.quantized import (GROUP, GroupInt4, GroupInt6, GroupLinear, Int4Linear, Int8Linear, check_mode,
                                       native_tiles)
 from test_gguf import gguf_tensors, max_diff, saguaro_logits, write_gguf
@@ -311,12 +311,12 @@ def test_tiles_repacked_from_the_file_are_those_of_the_decoded_codes(kind, sourc
     dequantized rows are gguf-py's."""
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
     tensor = next(t for t in gguf.GGUFReader(str(file)).tensors if t.tensor_type == kind)
-    blocks, groups = loader.file_blocks(tensor), loader.gguf_groups(tensor)
+    blocks, groups = gguf_blocks.file_blocks(tensor), gguf_blocks.gguf_groups(tensor)
     tile_bytes = native.TILE_BYTES[blocks.bits]  # Q4_0's record: the 4-bit one's without its lows
     assert torch.equal(blocks.tiles(), native_tiles(groups)[1][..., :tile_bytes])
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
     assert torch.equal(blocks.rows(order).tiles(), native_tiles(groups.rows(order))[1][..., :tile_bytes])
-    expected = torch.from_numpy(np.asarray(loader.dequantize_gguf(tensor), dtype=np.float32))
+    expected = torch.from_numpy(np.asarray(gguf_config.dequantize_gguf(tensor), dtype=np.float32))
     torch.testing.assert_close(blocks.dequantize(), expected, rtol=1e-6, atol=0)
     assert torch.equal(blocks.dequantize(torch.bfloat16), blocks.dequantize().bfloat16())  # rounded as torch rounds
     # Control: the tiles of the rows in file order are not those of the reordered rows.
@@ -334,17 +334,17 @@ def test_k_quant_records_multiply_as_the_documented_arithmetic_of_their_codes(ki
 
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
     tensor = next(t for t in gguf.GGUFReader(str(file)).tensors if t.tensor_type == kind)
-    blocks = loader.file_blocks(tensor)
+    blocks = gguf_blocks.file_blocks(tensor)
     x = torch.randn(5, blocks.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
     x[3] = 0
-    expected = torch.from_numpy(np.asarray(loader.dequantize_gguf(tensor), dtype=np.float32))
+    expected = torch.from_numpy(np.asarray(gguf_config.dequantize_gguf(tensor), dtype=np.float32))
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
     if kind == Q.Q2_K:  # its arithmetic read from the blocks (per half group: a scale and a min)
         groups = None
         products = {False: q2_k_arithmetic(x, tensor)}
         products[True] = products[False][:, order]
     else:
-        groups = q3_k_groups(tensor) if kind == Q.Q3_K else loader.gguf_groups(tensor)
+        groups = q3_k_groups(tensor) if kind == Q.Q3_K else gguf_blocks.gguf_groups(tensor)
         torch.testing.assert_close(groups.dequantize(), expected, rtol=0, atol=0)  # the codes are the file's
         products = {reordered: q6_arithmetic(x, codes) if isinstance(codes, GroupInt6) else
                     kernel_arithmetic(x, codes.codes, codes.scales, codes.lows)
@@ -367,9 +367,9 @@ def test_parts_of_a_projection_in_blocks_and_in_plain_weights_stack_dequantized(
     """A fused projection whose parts are blocks the kernels read and weights they do not (a
     type without kernels beside K-quants, as once Q2_K's q beside Q3_K's v) loads dequantized."""
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, Q.Q4_K))
-    blocks = loader.file_blocks(next(t for t in gguf.GGUFReader(str(file)).tensors if t.tensor_type == Q.Q4_K))
+    blocks = gguf_blocks.file_blocks(next(t for t in gguf.GGUFReader(str(file)).tensors if t.tensor_type == Q.Q4_K))
     plain = torch.randn(16, blocks.shape[1])
-    assert torch.equal(loader._cat([blocks, plain]), torch.cat([blocks.dequantize(), plain]))
+    assert torch.equal(build._cat([blocks, plain]), torch.cat([blocks.dequantize(), plain]))
 
 
 @pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
@@ -380,8 +380,8 @@ def test_blocks_only_repack_decodes_multiply_as_their_dequantized_weights(kind, 
     activations."""
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
     tensor = next(t for t in gguf.GGUFReader(str(file)).tensors if t.tensor_type == kind)
-    blocks = loader.file_blocks(tensor)
-    expected = torch.from_numpy(np.asarray(loader.dequantize_gguf(tensor), dtype=np.float32))
+    blocks = gguf_blocks.file_blocks(tensor)
+    expected = torch.from_numpy(np.asarray(gguf_config.dequantize_gguf(tensor), dtype=np.float32))
     torch.testing.assert_close(blocks.dequantize(), expected, rtol=1e-6, atol=0)
     x = torch.randn(5, blocks.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
     bits, tiles = native_tiles(blocks)
@@ -398,8 +398,8 @@ def test_grouped_codes_reproduce_the_gguf_dequantization_exactly(kind, source, t
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
     for tensor in gguf.GGUFReader(str(file)).tensors:
         if tensor.tensor_type == kind:
-            expected = torch.from_numpy(np.asarray(loader.dequantize_gguf(tensor), dtype=np.float32))
-            torch.testing.assert_close(loader.gguf_groups(tensor).dequantize(), expected, rtol=1e-6, atol=0)
+            expected = torch.from_numpy(np.asarray(gguf_config.dequantize_gguf(tensor), dtype=np.float32))
+            torch.testing.assert_close(gguf_blocks.gguf_groups(tensor).dequantize(), expected, rtol=1e-6, atol=0)
 
 
 def test_explicit_modes_quantize_every_projection(files):

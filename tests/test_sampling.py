@@ -11,7 +11,9 @@ from saguaro import LLM, SamplingParams
 from saguaro.engine.sampler import WarpParams, sample, warp
 from saguaro.models.config import ModelConfig, UnsupportedModelError
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import IncompatibleDraftError, ModelNotFoundError, load_draft, save_checkpoint
+from saguaro.models.checkpoint import save_checkpoint
+from saguaro.models.hub import ModelNotFoundError
+from saguaro.models.pairing import IncompatibleDraftError, load_draft
 
 
 @pytest.mark.parametrize("kwargs, message", [

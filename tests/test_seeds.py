@@ -11,7 +11,7 @@ import torch
 from drafts import InProcessDraft, sd_decoder, ssd_decoder, worker_config
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
-from saguaro.models.loader import save_checkpoint
+from saguaro.models.checkpoint import save_checkpoint
 from saguaro.speculation import build
 from test_exactness import PROMPT, TINY_K, TINY_V, tiny_model
 

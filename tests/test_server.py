@@ -27,7 +27,7 @@ from drafts import ssd_of
 from saguaro import LLM, SamplingParams
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import save_checkpoint
+from saguaro.models.checkpoint import save_checkpoint
 from saguaro.server.app import ServerConfig
 from saguaro.server.serve import build_server
 

@@ -24,7 +24,8 @@ from saguaro import LLM
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import LlamaModel
 from saguaro.engine.structured import StructuredOutputs
-from saguaro.models.loader import load_tokenizer, save_checkpoint
+from saguaro.models.checkpoint import save_checkpoint
+from saguaro.models.tokenizer import load_tokenizer
 from saguaro.server.app import ServerConfig
 from saguaro.server.protocol import ChatCompletionRequest
 from test_server import KEY, LiveServer

@@ -27,7 +27,7 @@ from saguaro.engine.loop import Engine
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.llama import scatter_to_vocab
-from saguaro.models.loader import save_checkpoint
+from saguaro.models.checkpoint import save_checkpoint
 from saguaro.engine.round import Decoder
 from saguaro.engine.sampler import sample
 from saguaro.engine.verify import verify

@@ -138,7 +138,7 @@ def pvalue(model, params: list[SamplingParams], outputs: list[list[int]], tokeni
 
 
 def in_process_ssd(target, tmp_path_factory, draft):
-    from saguaro.models.loader import save_checkpoint
+    from saguaro.models.checkpoint import save_checkpoint
     folder = tmp_path_factory.mktemp("ssd-draft")
     save_checkpoint(draft, folder, dtype=torch.float32, share_embeddings=False)
     client = InProcessDraft(worker_config(str(folder), "float32", TINY_K, [1, 1, 1], 1.0, prompt_lookup=None,

@@ -20,9 +20,10 @@ from saguaro.models import hub
 from saguaro.models.config import ModelConfig
 from saguaro.models.kv_cache import new_cache
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import save_checkpoint
+from saguaro.models.checkpoint import save_checkpoint
 from saguaro.models.tensor_parallel import shard_config, shard_state, split, tensor_parallel
-from saguaro.speculation.build import draft_path, make_decoder, ssd_decoder, ssd_proposer
+from saguaro.models.pairing import load_paired_draft, resolve_model
+from saguaro.speculation.build import make_decoder, ssd_decoder, ssd_proposer
 from stats import ks_pvalue, teacher_forced_pit
 from test_exactness import ALPHA, TINY_K, TINY_V, residual_is_p, sampled, tiny_model, tiny_outputs, tiny_prompts
 
@@ -99,10 +100,10 @@ def speculative_outputs(llm: LLM, decoder, prompts) -> list[list[int]]:
 
 def test_sd_and_ssd_on_two_ranks_equal_ar(tp_llm, prompts, ar_greedy):
     spec = SpeculativeConfig(method="sd", num_speculative_tokens=4)
-    path = draft_path(spec, hub.DEFAULT_MODEL)
-    sd = make_decoder(tp_llm.target, replace(spec, draft=str(path)), hub.DEFAULT_MODEL)
+    model = resolve_model(hub.DEFAULT_MODEL)
+    sd = make_decoder(tp_llm.target, spec, model, load_paired_draft(model, tp_llm.target))
     assert speculative_outputs(tp_llm, sd, prompts[4:6]) == ar_greedy[4:6]
-    ssd = ssd_decoder(ssd_proposer(tp_llm.target, replace(spec, method="ssd"), path, None), tp_llm.target)
+    ssd = ssd_decoder(ssd_proposer(tp_llm.target, replace(spec, method="ssd"), model.draft, None), tp_llm.target)
     assert speculative_outputs(tp_llm, ssd, prompts[6:8]) == ar_greedy[6:8]
     assert ssd.metrics()["cache_hits"] > 0
 

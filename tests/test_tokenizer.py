@@ -12,8 +12,7 @@ import pytest
 
 from saguaro.datasets import humaneval_prompts, sharegpt_conversations
 from saguaro.models import tokenizer as folder_tokenizer
-from saguaro.models.loader import _transformers_tokenizer, load_tokenizer
-from saguaro.models.tokenizer import FolderTokenizer
+from saguaro.models.tokenizer import FolderTokenizer, _transformers_tokenizer, load_tokenizer
 
 # written the way many Hub templates are (Llama 3's, Qwen's): one block tag a line, indented
 INDENTED_TEMPLATE = """{% for message in messages %}
@@ -103,7 +102,7 @@ def test_an_indented_template_renders_as_in_transformers(pair, tmp_path, monkeyp
 
 def test_a_cached_tokenizer_loads_without_transformers(smollm2_path, pair):
     """What makes a second start fast: transformers (1.5-2 s to import) is never imported."""
-    code = ("import sys; from saguaro.models.loader import load_tokenizer; "
+    code = ("import sys; from saguaro.models.tokenizer import load_tokenizer; "
             f"load_tokenizer({str(smollm2_path)!r}); print('transformers' in sys.modules)")
     env_cache = str(Path(pair[0].name_or_path).parent.parent)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from chat_templates import FAMILIES
-from saguaro.models.loader import load_tokenizer
+from saguaro.models.tokenizer import load_tokenizer
 from saguaro.models.tokenizer import FolderTokenizer
 from saguaro.server.tools import (FUNCTOOLS, HERMES, LLAMA3, PHI4, ChatTemplateTools, ToolCall, ToolCallStream,
                                   ToolReading, forced_calls, required_calls_schema)

@@ -54,7 +54,7 @@ def plan(llm: LLM, prompts: list[list[int]], batch_sizes: list[int], params: Sam
     auto = llm.decoder.policy
     if not isinstance(auto, AutoPolicy):
         raise ValueError("saguaro plan profiles method='auto' (it needs a draft)")
-    auto.wait_for_ssd(start=True)
+    llm.wait_for_ssd(start=True)
     controller = auto.controller
     rows = []
     for batch in batch_sizes:

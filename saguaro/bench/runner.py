@@ -26,8 +26,8 @@ from saguaro.engine.round import Decoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
 from saguaro.models import hub
-from saguaro.models.loader import load_draft
-from saguaro.speculation.build import draft_path, make_decoder
+from saguaro.models.pairing import load_draft, load_paired_draft, resolve_model
+from saguaro.speculation.build import make_decoder
 from saguaro.speculation.policy.auto import AutoPolicy
 from saguaro.speculation.remote.proposer import RemoteProposer, SSDStats
 from saguaro.system import usable_cores, use_cores
@@ -113,17 +113,20 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
     it (without prefix caching, and auto without a kept profile: every method starts cold).
     cores: "all" (affinity, threads); SSD's share is added once its workers hold theirs."""
     spec = config.speculative
+    model = resolve_model(config.model, spec.draft, spec.ssd_draft)  # llm runs AR: its own has no drafts
     use_cores(*cores["all"])
     decoders = {}
     for name in ("ssd", "ar", "sd", "auto"):  # SSD first: its workers take their cores
         if name in config.methods:
-            decoders[name] = make_decoder(llm.target, spec.as_method(name), config.model, keep_profile=False)
+            method = spec.as_method(name)
+            draft = load_paired_draft(model, llm.target) if method.drafts_in_process else None
+            decoders[name] = make_decoder(llm.target, method, model, draft, keep_profile=False)
             if name == "ssd":
                 cores["ssd"] = usable_cores(), torch.get_num_threads()
                 use_cores(*cores["all"])  # auto's SSD shares out what it finds
+    if "auto" in decoders:
+        decoders["auto"].wait_for_ssd()
     auto = decoders["auto"].policy if "auto" in decoders else None
-    if isinstance(auto, AutoPolicy) and auto.cores is not None:
-        auto.wait_for_ssd()
     held = {name: cores["all"][1] for name in config.methods}
     if "ssd" in held:
         held["ssd"] = cores["ssd"][1] + (spec.draft_device == "cpu" and not spec.draft_address)
@@ -140,7 +143,9 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
 
     engines = {name: saguaro_engine(name, Engine(d)) for name, d in decoders.items()}
     assisted = "hf-assisted" in config.methods
-    draft = load_draft(draft_path(spec.as_method("sd"), config.model), llm.target) if assisted else None
+    if assisted and model.draft is None:
+        raise ValueError(f"hf-assisted needs a draft model (no shipped draft for {config.model!r})")
+    draft = load_draft(model.draft.path, llm.target, tokens=model.draft.tokens, config=model.draft.config) if assisted else None
     if assisted and draft.reads_features:
         warnings.warn("hf-assisted skipped: transformers' assisted generation cannot run an EAGLE draft, "
                       "which reads the target's hidden states (pass a standalone --draft to compare)")

@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from saguaro.datasets import sharegpt_first_turns
-    from saguaro.models import hub, loader
+    from saguaro.models import checkpoint, hub, loader, pairing, tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict:
         layers = draft_lib.target_layers(args.layers, target.config.num_layers)
     except ValueError as e:
         raise SystemExit(f"saguaro distill: {e}") from None
-    tokenizer = loader.load_tokenizer(path)
+    tokenizer = tokenizer.load_tokenizer(path)
     eos_ids = set(target.config.eos_token_ids) | {tokenizer.eos_token_id}
 
     tconfig = teacher.TeacherConfig(top_k=args.top_k, new_tokens=args.new_tokens, seed=args.seed)
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.init_from:
         if not args.eagle:
             raise SystemExit("--init-from starts an EAGLE draft from a standalone one: add --eagle")
-        draft = draft_lib.eagle_from(loader.load_draft(args.init_from, target, torch.float32))
+        draft = draft_lib.eagle_from(pairing.load_draft(args.init_from, target, torch.float32))
         spec = draft_lib.DraftSpec(layers=tuple(range(draft.config.num_layers)), head_vocab=draft.config.head_vocab_size,
                                    eagle=True)
     else:
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
                          prompt_weight=args.prompt_weight, eval_every=args.eval_every, seed=args.seed,
                          unroll=args.unroll, feature_weight=args.feature_weight)
     history = train(draft, train_seqs, heldout_seqs, config, out, log=tqdm.write)
-    loader.save_checkpoint(draft, out / "draft")
+    checkpoint.save_checkpoint(draft, out / "draft")
 
     report = {"teacher": asdict(tconfig),
               "draft": {**asdict(spec), "init_from": str(args.init_from) if args.init_from else None}, "train": asdict(config), "minutes": (time.time() - started) / 60,
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
                          "train_prompt": sum(s.num_prompt for s in train_seqs)},
               "heldout": history[-1]}
     if args.eval_prompts:
-        shipped = loader.load_draft(out / "draft", target, torch.bfloat16)
+        shipped = pairing.load_draft(out / "draft", target, torch.bfloat16)
         report["speculative"] = evaluate_draft(target, shipped, tokenizer, args.eval_prompts, args.eval_k, eos_ids, args.seed)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     tqdm.write(json.dumps(report, indent=2))

@@ -24,6 +24,11 @@ class AdmissionLimits:
     max_num_seqs: int = 256
     kv_cache_tokens: int | None = None
 
+    @classmethod
+    def of_budget(cls, max_num_seqs: int, kv_cache_mb: float, kv_bytes_per_token: int) -> AdmissionLimits:
+        """Limits whose KV budget is kv_cache_mb MiB of tokens of kv_bytes_per_token each."""
+        return cls(max_num_seqs, int(kv_cache_mb * 2**20) // kv_bytes_per_token)
+
     def rows(self, row_len: int) -> int:
         """How many sequences may run at once in rows of row_len slots (0: not even one)."""
         fit = self.max_num_seqs if self.kv_cache_tokens is None else self.kv_cache_tokens // row_len

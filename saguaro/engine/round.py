@@ -150,6 +150,10 @@ class Policy(Protocol):
     def metrics(self) -> dict:
         """Figures of its own (auto: rounds by choice, switches, ...)."""
 
+    def wait_for_ssd(self, start: bool = False) -> None:
+        """Blocks until an SSD worker it starts in the background is up (auto); start: starts
+        it now rather than when it would first pay."""
+
     def close(self) -> None:
         """Stops what it started, its proposers included."""
 
@@ -174,6 +178,9 @@ class FixedPolicy:
 
     def metrics(self) -> dict:
         return {}
+
+    def wait_for_ssd(self, start: bool = False) -> None:
+        pass  # its proposers are up once built
 
     def close(self) -> None:
         for proposer in self.proposers():
@@ -283,6 +290,11 @@ class Decoder:
         for proposer in self.policy.proposers():
             figures.update(proposer.metrics())
         return {**figures, **self.verifier.metrics(), **self.policy.metrics()}
+
+    def wait_for_ssd(self, start: bool = False) -> None:
+        """Blocks until SSD's worker is up where the policy starts it in the background (method
+        "auto"), so that timed rounds have SSD among their choices; start: start it now."""
+        self.policy.wait_for_ssd(start)
 
     def close(self) -> None:
         self.policy.close()

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from saguaro.models.config import UnsupportedModelError
+
 
 @dataclass(frozen=True)
 class PackagedModel:
@@ -74,3 +76,23 @@ def default_draft(name: str, ssd: bool = False) -> Path | None:
     deeper one shipped for SSD's worker (drafts/NAME-ssd), whose steps verification hides."""
     folder = DRAFTS_DIR / (f"{name}-ssd" if ssd else name)
     return folder if (folder / "model.safetensors").is_file() else None
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """No checkpoint at the given path or name."""
+
+
+def checkpoint_files(path: Path) -> tuple[Path, Path | None]:
+    """Returns (folder, gguf file or None) for a GGUF file, a folder with one, or a HF folder."""
+    if not path.exists():
+        raise ModelNotFoundError(f"no model at {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UnsupportedModelError(f"{path} is neither a .gguf file nor a model folder")
+        return path.parent, path
+    if (path / "config.json").exists():
+        return path, None
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return path, ggufs[0]
+    raise ModelNotFoundError(f"{path} has no config.json and no single .gguf file")

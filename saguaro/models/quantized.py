@@ -363,3 +363,13 @@ def quantized_linear(weight: torch.Tensor | GroupCodes | FileBlocks | StackedCod
     if mode == "auto" and native.bf16_available() and native.fits(out_features, in_features):
         return GroupLinear(weight, bias, dtype, out_dtype)  # bf16 weights on the kernels (native.bf16_available)
     return None
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
+    return names[dtype]

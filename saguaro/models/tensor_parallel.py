@@ -85,7 +85,7 @@ def shard_state(config: ModelConfig, state: dict[str, torch.Tensor], rank: int, 
 
 def shard_model(model: LlamaModel, rank: int, world: int) -> LlamaModel:
     """Rank `rank`'s slice of a whole (full-precision) model, frozen for inference."""
-    from saguaro.models.loader import frozen
+    from saguaro.models.build import frozen
 
     if model.quantization not in (None, "none"):
         raise ValueError("tensor parallelism splits full-precision weights: load with quantization='none'")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from saguaro.models.hub import cache_dir, checkpoint_files
+
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -119,3 +121,57 @@ def chat_environment():
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     return environment
+
+
+def load_tokenizer(path: str | Path):
+    """A tokenizer, chat template included, from a folder or a GGUF file.
+
+    Building one from a GGUF file's vocabulary takes seconds (transformers converts it anew),
+    so the result is kept in the cache as a tokenizer folder, keyed by the file's name, size
+    and modification time, and read from there, without transformers, next time."""
+    folder, gguf_file = checkpoint_files(Path(path))
+    if gguf_file is None:
+        return _transformers_tokenizer(folder)
+    stat = gguf_file.stat()
+    cached = cache_dir() / "tokenizers" / f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if not cached.is_dir():
+        tokenizer = _transformers_tokenizer(folder, gguf_file.name)
+        if not _save_atomically(tokenizer, cached):
+            return tokenizer
+    return FolderTokenizer(cached)
+
+
+def _transformers_tokenizer(folder: Path, gguf_name: str | None = None):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        try:
+            return AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_name)
+        except ValueError:  # an architecture transformers' GGUF reader lacks (SmolLM3): its tokenizer alone
+            if gguf_name is None:
+                raise
+            return PreTrainedTokenizerFast.from_pretrained(str(folder), gguf_file=gguf_name)
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def _save_atomically(tokenizer, folder: Path) -> bool:
+    """Writes next to `folder` and renames, so a reader never sees half a tokenizer. False where
+    the cache cannot be written (which only costs the next load its speed)."""
+    import shutil
+    import tempfile
+
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent))
+        tokenizer.save_pretrained(str(staging))
+        try:
+            staging.rename(folder)
+        except OSError:  # another process got there first
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError:
+        return False
+    return True

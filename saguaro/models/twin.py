@@ -168,14 +168,15 @@ def load_twin(path: str | Path, shape: TwinShape, dtype: torch.dtype = torch.bfl
     """The twin of the checkpoint at `path`, built on `device` from its dequantized weights (the
     source is dequantized on the CPU, small; the twin is laid out on the device); controls:
     layout's."""
-    from saguaro.models.loader import build_model, plain_weights, read_checkpoint
+    from saguaro.models.build import build_model, plain_weights
+    from saguaro.models.loader import read_checkpoint
 
     config, state = read_checkpoint(path)
     source_width = config.hidden_size
     config, state = twin_state(config, {k: plain_weights(v, torch.float32) for k, v in state.items()}, shape,
                                dtype, device, **controls)
     model = build_model(config, state, dtype, device, quantization)
-    model.source_hidden_size = source_width  # drafts made for the source borrow its embeddings (loader.draft_embeddings)
+    model.source_hidden_size = source_width  # drafts made for the source borrow its embeddings (pairing.draft_embeddings)
     return model
 
 

@@ -16,10 +16,9 @@ import torch
 from saguaro.config import SpeculativeConfig, TreeShape
 from saguaro.engine.round import Choice, Decoder, FixedPolicy
 from saguaro.engine.verifier import Verifier
-from saguaro.models import graphs, hub
-from saguaro.models.config import ModelConfig
+from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
-from saguaro.models.loader import IncompatibleDraftError, check_pair, draft_embeddings, load_draft
+from saguaro.models.pairing import DraftPairing, IncompatibleDraftError, ResolvedModel, draft_embeddings
 from saguaro.models.prefix_cache import PrefixCache, new_prefix_cache
 from saguaro.speculation.local.drafters import Drafter, PromptLookupDrafter, model_drafter
 from saguaro.speculation.local.proposer import DraftProposer
@@ -29,30 +28,7 @@ from saguaro.speculation.protocol import DraftSpec
 from saguaro.speculation.remote.client import DraftClient, WorkerConfig
 from saguaro.speculation.remote.pool import DraftPool
 from saguaro.speculation.remote.proposer import RemoteProposer
-from saguaro.system import CoreShare, split_cores, usable_cores, use_cores
-
-
-def draft_path(spec: SpeculativeConfig, model: str) -> Path | None:
-    """The draft checkpoint: the one named, else the target's shipped distilled draft (auto
-    may have none: it then decodes autoregressively)."""
-    path = hub.resolve(spec.draft) if spec.draft else hub.default_draft(str(model))
-    if path is None and spec.method != "auto":
-        raise ValueError(f"method {spec.method!r} needs a draft model (no shipped draft for {model!r})")
-    return path
-
-
-def ssd_draft_path(spec: SpeculativeConfig, model: str, draft: Path) -> Path:
-    """SSD's draft: the one named for SSD, else (where no draft was named) the target's shipped
-    SSD draft, else SD's `draft`."""
-    if spec.ssd_draft:
-        return hub.resolve(spec.ssd_draft)
-    return (None if spec.draft else hub.default_draft(str(model), ssd=True)) or draft
-
-
-def reads_target_features(path: Path) -> bool:
-    """Whether a draft checkpoint is EAGLE-style, reading the target's hidden states."""
-    config = path / "config.json"
-    return config.is_file() and ModelConfig.load(config).eagle
+from saguaro.system import CoreShare, usable_cores, use_cores
 
 
 def sd_drafter(draft: LlamaModel, spec: SpeculativeConfig, prefix_cache_mb: float = 0.0) -> Drafter:
@@ -73,16 +49,16 @@ def fan_out_plan(spec: SpeculativeConfig) -> tuple[list[int], GeometricPlan | No
     return list(spec.fan_out), None
 
 
-def start_workers(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: str | None,
-                  prefix_cache_mb: float = 0.0, tokens: int | None = None) -> DraftPool:
-    """New draft workers: spec.num_draft_workers on this machine (pinned to `cpus`), or one at
-    each of spec.draft_address's comma-separated addresses. prefix_cache_mb: each draft's
-    prefix cache. tokens: the tokenizer draft and target share (check_pair), to which a draft
-    padded otherwise is fitted."""
+def start_workers(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing, cpus: str | None,
+                  prefix_cache_mb: float = 0.0) -> DraftPool:
+    """New draft workers running `draft`: spec.num_draft_workers on this machine (pinned to
+    `cpus`), or one at each of spec.draft_address's comma-separated addresses. prefix_cache_mb:
+    each draft's prefix cache. A draft padded to other rows than the target's is fitted to the
+    tokenizer both share (draft.tokens)."""
     fan_out, _ = fan_out_plan(spec)
-    vocabulary = None if tokens is None else (target.config.vocab_size, tokens)
+    vocabulary = None if draft.tokens is None else (target.config.vocab_size, draft.tokens)
     addresses = spec.draft_address.split(",") if spec.draft_address else [None] * spec.num_draft_workers
-    configs = [WorkerConfig(DraftSpec(replace(spec, draft=str(path), fan_out=fan_out, draft_address=address,
+    configs = [WorkerConfig(DraftSpec(replace(spec, draft=str(draft.path), fan_out=fan_out, draft_address=address,
                                               draft_secret=None),  # the Hello carries no secret
                                       str(target.dtype).removeprefix("torch."), prefix_cache_mb, target.quantization,
                                       vocabulary, target.cuda_graphs),
@@ -104,12 +80,21 @@ def start_workers(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus:
     return DraftPool(clients)
 
 
-def ssd_proposer(target: LlamaModel, spec: SpeculativeConfig, path: Path, cpus: str | None,
+def ssd_proposer(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing, cpus: str | None,
                  prefix_cache_mb: float = 0.0, cores: CoreShare | None = None,
-                 tokens: int | None = None) -> RemoteProposer:
-    """SSD's proposer over new draft workers (see start_workers)."""
-    pool = start_workers(target, spec, path, cpus, prefix_cache_mb, tokens)
-    return RemoteProposer(pool, spec.backup, fan_out_plan(spec)[1], target.config.vocab_size, cores)
+                 cores_before: tuple[set[int], int] | None = None) -> RemoteProposer:
+    """SSD's proposer over new draft workers (see start_workers). cores_before: the cores this
+    process had before the worker took some (split_cores), given back when it closes."""
+    pool = start_workers(target, spec, draft, cpus, prefix_cache_mb)
+    return RemoteProposer(pool, spec.backup, fan_out_plan(spec)[1], target.config.vocab_size, cores, cores_before)
+
+
+def sd_policy(drafter: Drafter) -> FixedPolicy:
+    return FixedPolicy(Choice(DraftProposer(drafter), drafter.k, "sd", drafter.tree))
+
+
+def ssd_policy(proposer: RemoteProposer) -> FixedPolicy:
+    return FixedPolicy(Choice(proposer, proposer.k, "ssd"))
 
 
 def ar_decoder(target: LlamaModel, prefix_cache: PrefixCache | None = None) -> Decoder:
@@ -117,12 +102,11 @@ def ar_decoder(target: LlamaModel, prefix_cache: PrefixCache | None = None) -> D
 
 
 def sd_decoder(target: LlamaModel, drafter: Drafter, prefix_cache: PrefixCache | None = None) -> Decoder:
-    return Decoder(Verifier(target, prefix_cache),
-                   FixedPolicy(Choice(DraftProposer(drafter), drafter.k, "sd", drafter.tree)))
+    return Decoder(Verifier(target, prefix_cache), sd_policy(drafter))
 
 
 def ssd_decoder(proposer: RemoteProposer, target: LlamaModel, prefix_cache: PrefixCache | None = None) -> Decoder:
-    return Decoder(Verifier(target, prefix_cache), FixedPolicy(Choice(proposer, proposer.k, "ssd")))
+    return Decoder(Verifier(target, prefix_cache), ssd_policy(proposer))
 
 
 def auto_decoder(target: LlamaModel, drafter: Drafter, ssd: SSDLauncher | None = None,
@@ -132,8 +116,8 @@ def auto_decoder(target: LlamaModel, drafter: Drafter, ssd: SSDLauncher | None =
     return Decoder(Verifier(target, prefix_cache), AutoPolicy(DraftProposer(drafter), ssd, profile, trees))
 
 
-def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
-             prefix_cache_mb: float = 0.0, tokens: int | None = None) -> SSDLauncher | None:
+def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing,
+             prefix_cache_mb: float = 0.0) -> SSDLauncher | None:
     """SSD for method="auto", its worker started on a thread of its own while auto decodes
     without it: on the draft's own device or host, or on this machine's last core where it has
     two or more (None where SSD has no hardware of its own)."""
@@ -150,8 +134,7 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
 
         def run() -> None:
             try:
-                proposer = ssd_proposer(target, spec, path, cpus, prefix_cache_mb, None if elsewhere else cores,
-                                        tokens)
+                proposer = ssd_proposer(target, spec, draft, cpus, prefix_cache_mb, None if elsewhere else cores)
             except Exception as e:
                 if not future.cancelled():
                     future.set_exception(e)
@@ -167,8 +150,7 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, path: Path,
     return SSDLauncher(start, cores, max(1, sum(fan_out_plan(spec)[0])))
 
 
-def auto_profile_path(target: LlamaModel, spec: SpeculativeConfig, model: str, draft: Path,
-                      ssd_draft: Path) -> Path | None:
+def auto_profile_path(target: LlamaModel, spec: SpeculativeConfig, model: ResolvedModel) -> Path | None:
     """Where method="auto" keeps what it measured for the next process with the same models,
     settings, threads and CPU (None where SAGUARO_AUTO_PROFILE=0)."""
     if os.environ.get("SAGUARO_AUTO_PROFILE", "1") == "0":
@@ -177,49 +159,72 @@ def auto_profile_path(target: LlamaModel, spec: SpeculativeConfig, model: str, d
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
     except OSError:
         cpu = platform.processor()
-    key = json.dumps([str(model), str(draft), str(ssd_draft), spec.num_speculative_tokens, spec.prompt_lookup,
+    key = json.dumps([model.name, str(model.draft.path), str(model.ssd_draft.path), spec.num_speculative_tokens, spec.prompt_lookup,
                       target.quantization, str(target.dtype), str(target.device), torch.get_num_threads(), cpu])
     return hub.cache_dir() / "auto" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: str, prefix_cache_mb: float = 0.0,
-                 keep_profile: bool = True) -> Decoder:
-    """model: the target's name or path, which picks its shipped draft. prefix_cache_mb: the
-    budget of the target's prefix cache and of the draft's (0: no prefix caching). A draft
+def make_decoder(target: LlamaModel, spec: SpeculativeConfig, model: ResolvedModel, draft: LlamaModel | None = None,
+                 prefix_cache_mb: float = 0.0, keep_profile: bool = True) -> Decoder:
+    """model: the target as resolved with its drafts (pairing.resolve_model); draft: its SD
+    draft, loaded where spec.drafts_in_process (pairing.load_paired_draft). prefix_cache_mb:
+    the budget of the target's prefix cache and of the draft's (0: no prefix caching). A draft
     that reads the target's hidden states needs them over whole prompts: neither gets one.
     keep_profile: auto starts from what an earlier process measured, and keeps what it measures."""
-    path = None if spec.method == "ar" else draft_path(spec, model)
-    if path is None:
-        return ar_decoder(target, new_prefix_cache(prefix_cache_mb))
-    tokens = check_pair(path, hub.resolve(model))
-    ssd_path = ssd_draft_path(spec, model, path)
-    ssd_tokens = tokens if ssd_path == path else check_pair(ssd_path, hub.resolve(model))
-    if spec.method == "auto" and ssd_path != path and reads_target_features(ssd_path):
+    policy = make_policy(target, spec, model, draft, prefix_cache_mb, keep_profile)
+    reads_features = policy is not None and any(p.reads_target_features for p in policy.proposers())
+    return Decoder(Verifier(target, None if reads_features else new_prefix_cache(prefix_cache_mb)), policy)
+
+
+def make_policy(target: LlamaModel, spec: SpeculativeConfig, model: ResolvedModel, draft: LlamaModel | None = None,
+                prefix_cache_mb: float = 0.0, keep_profile: bool = True) -> FixedPolicy | AutoPolicy | None:
+    """The policy and proposers spec.method asks for (None: AR); see make_decoder."""
+    ssd_draft = model.ssd_draft
+    if spec.method == "ar" or model.draft is None:
+        if spec.method not in ("ar", "auto"):
+            raise ValueError(f"method {spec.method!r} needs a draft model (no shipped draft for {model.name!r})")
+        return None
+    if spec.method == "auto" and ssd_draft != model.draft and ssd_draft.reads_target_features:
         raise ValueError("method auto shares one prefix cache between SD's and SSD's rounds: an SSD draft "
                          "that reads the target's hidden states needs method ssd")
     if spec.tree is not None and target.tensor_parallel is not None:
         raise ValueError("token trees move KV entries that a tensor-parallel target's other ranks hold; "
                          "use chains (tree_topk 1) with tensor_parallel_size > 1")
-    if spec.method in ("sd", "auto"):
-        draft = graphs.attach(load_draft(path, target, tokens=tokens), target.cuda_graphs)
-        drafter = sd_drafter(draft, spec, prefix_cache_mb)
-        prefix_cache = None if drafter.reads_target_features else new_prefix_cache(prefix_cache_mb)
-        if spec.method == "sd":
-            return sd_decoder(target, drafter, prefix_cache)
-        ssd = None if drafter.reads_target_features else auto_ssd(target, spec, ssd_path, prefix_cache_mb,
-                                                                  ssd_tokens)
-        profile = auto_profile_path(target, spec, model, path, ssd_path) if keep_profile else None
-        return auto_decoder(target, drafter, ssd, prefix_cache, profile, [] if drafter.reads_target_features
-                            else auto_trees(spec.num_speculative_tokens, spec.tree_topk, spec.tree,
-                                            target.device.type))
+    if spec.method == "ssd":
+        return ssd_policy(ssd_on_this_machine(target, spec, ssd_draft, prefix_cache_mb))
+    drafter = sd_drafter(draft, spec, prefix_cache_mb)
+    if spec.method == "sd":
+        return sd_policy(drafter)
+    reads_features = drafter.reads_target_features  # no SSD or trees beside it: see make_decoder
+    return AutoPolicy(DraftProposer(drafter), None if reads_features else auto_ssd(target, spec, ssd_draft, prefix_cache_mb),
+                      auto_profile_path(target, spec, model) if keep_profile else None,
+                      [] if reads_features else auto_trees(spec.num_speculative_tokens, spec.tree_topk, spec.tree,
+                                                           target.device.type))
+
+
+def split_cores(draft_device: str, workers: int = 1) -> tuple[str | None, tuple[set[int], int] | None]:
+    """On CPU, the draft workers get the last cores (one each, as far as one core is left) and
+    this process keeps the others, so drafting and verifying really run in parallel. Returns
+    the workers' cores and this process's cores and threads before (for use_cores to give them
+    back), or Nones."""
+    cores = sorted(usable_cores())
+    if draft_device != "cpu" or len(cores) < 2:
+        return None, None
+    before = set(cores), torch.get_num_threads()
+    kept = max(1, len(cores) - workers)
+    use_cores(set(cores[:kept]), kept)
+    return ",".join(map(str, cores[kept:])), before
+
+
+def ssd_on_this_machine(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing,
+                        prefix_cache_mb: float = 0.0) -> RemoteProposer:
+    """method="ssd"'s proposer, its workers on cores split off this process's (none taken
+    where they run at spec.draft_address); the cores come back if they fail to start."""
     cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device,
                                                                               spec.num_draft_workers)
     try:
-        proposer = ssd_proposer(target, spec, ssd_path, cpus, prefix_cache_mb, tokens=ssd_tokens)
+        return ssd_proposer(target, spec, draft, cpus, prefix_cache_mb, cores_before=cores_before)
     except BaseException:
         if cores_before is not None:
             use_cores(*cores_before)
         raise
-    proposer.cores_before = cores_before
-    prefix_cache = None if proposer.reads_target_features else new_prefix_cache(prefix_cache_mb)
-    return ssd_decoder(proposer, target, prefix_cache)

@@ -50,9 +50,9 @@ class DraftSpec:
     speculative: SpeculativeConfig  # draft: the checkpoint's path on the worker's host; fan_out: K+1 counts
     dtype: str
     prefix_cache_mb: float = 0.0  # the draft's prefix cache (0: none)
-    quantization: str | None = None  # the target's mode, which a float draft follows (loader.load_draft)
+    quantization: str | None = None  # the target's mode, which a float draft follows (pairing.load_draft)
     # (the target's vocabulary rows, the tokens of the tokenizer the pair shares): a draft padded
-    # otherwise is fitted to the target's rows (loader.fit_vocabulary); None: no tokenizer was compared
+    # otherwise is fitted to the target's rows (pairing.fit_vocabulary); None: no tokenizer was compared
     vocabulary: tuple[int, int] | None = None
     cuda_graphs: str = "auto"  # the target's setting (saguaro.models.graphs)
 

@@ -92,11 +92,13 @@ class SSDStats:
 class RemoteProposer:
     """SSD's proposals, from the draft workers of `pool`. cores: the cores the target keeps
     while SSD runs where its worker holds some of this machine's (None: the worker has its own
-    device or host). plan: re-fits a geometric fan-out as it runs."""
+    device or host). cores_before: the cores this process had before the worker took some,
+    given back by close. plan: re-fits a geometric fan-out as it runs."""
     reads_target_features = False
 
     def __init__(self, pool: DraftPool, backup: Backup = Backup.AUTO, plan: GeometricPlan | None = None,
-                 vocab_size: int | None = None, cores: CoreShare | None = None):
+                 vocab_size: int | None = None, cores: CoreShare | None = None,
+                 cores_before: tuple[set[int], int] | None = None):
         self.pool, self.backup = pool, Backup(backup)
         self.k = pool.k
         self.outcomes: dict[int, Outcome | None] = {}  # the sequences the workers know, and their last outcome
@@ -112,7 +114,7 @@ class RemoteProposer:
         self.plan = plan
         self.branch_budget = plan.budget if plan else None
         self.cores = cores
-        self.cores_before: tuple[set[int], int] | None = None  # given back by close (see system.split_cores)
+        self.cores_before = cores_before  # given back by close (see build.split_cores)
         self._sent: tuple[Speculation, Backup, list[Outcome | None], float] | None = None  # the round in flight
         self._rounds = 0
 

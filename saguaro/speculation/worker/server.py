@@ -13,7 +13,10 @@ import torch
 
 from saguaro.models import graphs
 from saguaro.models.prefix_cache import new_prefix_cache
-from saguaro.models.loader import fit_vocabulary, is_saguaro_checkpoint, load_checkpoint, load_model, resolve_dtype
+from saguaro.models.checkpoint import is_saguaro_checkpoint, load_checkpoint
+from saguaro.models.loader import load_model
+from saguaro.models.pairing import fit_vocabulary
+from saguaro.models.quantized import resolve_dtype
 from saguaro.system import use_cores
 from saguaro.speculation.protocol import (SECRET_ENV, Channel, DraftRefused, Hello, Prefill, Ready, Release, Shutdown, SparseProbs,
                                           Speculation, SpecRequest)

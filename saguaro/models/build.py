@@ -1,0 +1,107 @@
+"""A model built from a checkpoint's weights: Hugging Face names onto LlamaModel's fused
+projections, the projections quantized as the mode says, frozen for inference."""
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from saguaro.models import native
+from saguaro.models.config import ModelConfig
+from saguaro.models.llama import LlamaModel
+from saguaro.models.packed import pack_linears
+from saguaro.models.quantized import (FileBlocks, GroupCodes, GroupInt4, GroupInt5, GroupInt6, GroupInt8, StackedCodes,
+                                      check_mode, quantized_linear)
+
+
+def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Maps Hugging Face parameter names onto LlamaModel's fused qkv and gate/up projections
+    (Phi-3's come fused)."""
+    state = {}
+    for name, value in hf_state.items():
+        name = name.removeprefix("model.")
+        if ".rotary_emb." in name:
+            continue
+        state[name] = value
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            parts = [state.pop(f"{p}self_attn.{n}_proj.{kind}", None) for n in "qkv"]
+            if all(t is not None for t in parts):
+                state[f"{p}self_attn.qkv_proj.{kind}"] = _cat(parts)
+        if f"{p}mlp.gate_up_proj.weight" not in state:  # Phi-3 checkpoints hold them fused already
+            state[f"{p}mlp.gate_up_proj.weight"] = _cat(
+                [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")])
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    return state
+
+
+def _cat(parts: list) -> torch.Tensor | GroupCodes | StackedCodes:
+    """Stacks projections' rows, keeping their codes where every part has them (as one kind, or
+    as stacked parts of several, which blocks still in the file always are)."""
+    for kind in (GroupInt4, GroupInt5, GroupInt6, GroupInt8):
+        if all(type(p) is kind for p in parts):
+            return kind.cat(parts)
+    if all(isinstance(p, (GroupCodes, FileBlocks)) for p in parts):
+        merged = [parts[0]]  # neighbours of one kind become one part
+        for part in parts[1:]:
+            same = type(part) is type(merged[-1]) and not isinstance(part, FileBlocks)
+            merged[-1:] = [type(part).cat([merged[-1], part])] if same else [merged[-1], part]
+        return StackedCodes(merged)
+    return torch.cat([p.dequantize() if isinstance(p, (GroupCodes, FileBlocks)) else p for p in parts])
+
+
+def native_head(weight) -> bool:
+    """Codes of 5 to 8 bits, or bf16 where the kernels take it: a head saguaro's kernels
+    run with fp32 logits (a 4-bit head is dequantized)."""
+    if isinstance(weight, torch.Tensor):
+        return native.bf16_available()
+    return isinstance(weight, (GroupInt5, GroupInt6, GroupInt8)) or isinstance(weight, FileBlocks) and weight.bits > 4
+
+
+def plain_weights(weight: torch.Tensor | GroupCodes | FileBlocks | StackedCodes, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(weight, FileBlocks):
+        return weight.dequantize(dtype)
+    return (weight if isinstance(weight, torch.Tensor) else weight.dequantize()).to(dtype)
+
+
+def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCodes], dtype: torch.dtype,
+                device: str | torch.device, quantization: str | None = None) -> LlamaModel:
+    """The model; `quantization` (saguaro.models.quantized.MODES) says which decoder projections
+    run quantized. The embeddings stay in `dtype`, and so does the head, except that "auto" keeps
+    a Q8_0 head's codes where saguaro's kernels run."""
+    mode = check_mode(quantization, dtype, torch.device(device))
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    state = fuse_hf_state(config, hf_state)
+    quantized = {}
+    head = ["lm_head.weight"] if mode == "auto" and native_head(state.get("lm_head.weight")) else []
+    names = [n for n in state if n.startswith("layers.") and n.endswith("_proj.weight")] + head
+    for name in tqdm(names, desc="loading weights", unit="tensor", delay=1.0, leave=False):  # shown after 1 s
+        module = name.removesuffix(".weight")
+        bias = state.get(f"{module}.bias")
+        out_dtype = torch.float32 if name == "lm_head.weight" else dtype  # logits are wanted in fp32
+        layer = quantized_linear(state[name], None if bias is None else bias.to(dtype), mode, dtype, out_dtype)
+        if layer is not None:
+            quantized[module] = layer
+            del state[name]
+            state.pop(f"{module}.bias", None)
+    state = {k: plain_weights(v, dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected or set(missing) - {f"{m}.{kind}" for m in quantized for kind in ("weight", "bias")}:
+        raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+    for module, layer in quantized.items():
+        model.set_submodule(module, layer)
+    if config.tie_word_embeddings and "lm_head" not in quantized:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.reset_rope()
+    model.quantization = mode
+    return frozen(model.to(device))
+
+
+def frozen(model: LlamaModel) -> LlamaModel:
+    """An inference model: eval mode, no gradients, CPU weights in oneDNN's layout."""
+    model.eval().requires_grad_(False)
+    model = pack_linears(model, model.device, model.dtype)
+    native.attach(model)
+    return model

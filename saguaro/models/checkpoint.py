@@ -1,0 +1,104 @@
+"""saguaro's own checkpoints (config.json with ModelConfig's fields + model.safetensors), which
+drafts use and which may leave out the embedding table they share with their target."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from saguaro.models import native
+from saguaro.models.build import frozen
+from saguaro.models.config import ModelConfig
+from saguaro.models.eagle import model_class
+from saguaro.models.hub import ModelNotFoundError
+from saguaro.models.llama import LlamaModel
+from saguaro.models.quantized import GroupInt4, GroupInt8, check_mode, quantized_linear
+
+
+SHARED_EMBEDDING = "embed_tokens.weight"
+
+
+def is_saguaro_checkpoint(path: str | Path) -> bool:
+    config = Path(path) / "config.json"
+    return config.is_file() and "num_layers" in json.loads(config.read_text())
+
+
+def save_checkpoint(model: LlamaModel, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
+                    share_embeddings: bool = True) -> None:
+    """Writes config.json and model.safetensors. With `share_embeddings` the embedding table is
+    left out (a draft borrows its target's: see load_draft), which keeps drafts small."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save(folder / "config.json")
+    state = {}
+    for name, value in model.state_dict().items():
+        if (share_embeddings and name == SHARED_EMBEDDING) or (
+                model.config.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        state[name] = (value.to(dtype) if value.is_floating_point() else value).contiguous()
+    save_file(state, folder / "model.safetensors")
+
+
+def load_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu", embeddings: torch.Tensor | None = None,
+                    quantization: str | None = None, config: ModelConfig | None = None) -> LlamaModel:
+    """A saguaro checkpoint; `embeddings` supplies the table when the checkpoint omits it. With
+    `quantization`, its projections are quantized as `quantize_checkpoint` says. config: its
+    config.json where the caller has read it already."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if config is None:
+        if not is_saguaro_checkpoint(folder):
+            raise ModelNotFoundError(f"{folder} is not a saguaro checkpoint (config.json + model.safetensors)")
+        config = ModelConfig.load(folder / "config.json")
+    state = load_file(folder / "model.safetensors")
+    if SHARED_EMBEDDING not in state:
+        if embeddings is None:
+            raise ModelNotFoundError(f"{folder} shares its target's embeddings: load it with load_draft")
+        state[SHARED_EMBEDDING] = embeddings
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state[SHARED_EMBEDDING]
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.reset_rope()
+    model = model.to(device)
+    if quantization is not None:
+        model.quantization = check_mode(quantization, dtype, torch.device(device))
+        quantize_checkpoint(model, model.quantization)
+    return frozen(model)
+
+
+def quantize_checkpoint(model: LlamaModel, mode: str) -> None:
+    """Quantizes a float checkpoint's projections in place: "int8" / "int4" as build_model does;
+    "auto", where saguaro's kernels run, int4 groups and an int8-group head (a draft's
+    precision decides only how often its proposals are accepted, never what is sampled, and a
+    draft step reads about a third of bf16's bytes so). EAGLE drafts stay as they are."""
+    if mode == "none" or (mode == "auto" and (not native.available() or model.reads_features)):
+        return
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            linear = getattr(parent, name)
+            weight = linear.weight.detach()
+            quantized = quantized_linear(GroupInt4.from_float(weight) if mode == "auto" else weight,
+                                         linear.bias, mode, model.dtype)
+            if quantized is not None:
+                setattr(parent, name, quantized)
+    head = model.lm_head.weight.detach()
+    if mode == "auto" and not model.config.tie_word_embeddings and native.fits(*head.shape):
+        model.lm_head = quantized_linear(GroupInt8.from_float(head), None, mode, model.dtype, torch.float32)
+
+
+def has_own_embeddings(folder: str | Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(Path(folder) / "model.safetensors", "pt") as f:
+        return SHARED_EMBEDDING in f.keys()
