@@ -71,8 +71,6 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCod
     run quantized. The embeddings stay in `dtype`, and so does the head, except that "auto" keeps
     a Q8_0 head's codes where saguaro's kernels run."""
     mode = check_mode(quantization, dtype, torch.device(device))
-    with torch.device("meta"):
-        model = LlamaModel(config)
     state = fuse_hf_state(config, hf_state)
     quantized = {}
     head = ["lm_head.weight"] if mode == "auto" and native_head(state.get("lm_head.weight")) else []
@@ -87,6 +85,8 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCod
             del state[name]
             state.pop(f"{module}.bias", None)
     state = {k: plain_weights(v, dtype) for k, v in state.items()}
+    with torch.device("meta"):
+        model = LlamaModel(config)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - {f"{m}.{kind}" for m in quantized for kind in ("weight", "bias")}:
         raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")

@@ -88,7 +88,8 @@ def load_paired_draft(model: ResolvedModel, target: LlamaModel) -> LlamaModel | 
     draft = model.draft
     if draft is None:
         return None
-    return graphs.attach(load_draft(draft.path, target, tokens=draft.tokens, config=draft.config), target.cuda_graphs)
+    loaded = load_draft(draft.path, target, tokens=draft.tokens, config=draft.config)
+    return graphs.attach(loaded, target.cuda_graphs)
 
 
 def pair_draft(path: Path, target_tokenizer: TokenizerIdentity | None) -> DraftPairing:
