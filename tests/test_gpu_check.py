@@ -57,7 +57,9 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(smollm2_path, tmp_path):
                         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     loader = subprocess.Popen([sys.executable, "-c", CONCURRENT_LOAD], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
-    code, report, log = run_check(tmp_path / "first", env)
+    # the budget is what a crowded CI machine may need (a first fill, one thread): the 3-minute
+    # goal is the lead's measurement on a quiet one, not this test's
+    code, report, log = run_check(tmp_path / "first", env, "--budget-s", "420")
     assert loader.wait(timeout=300) == 0, loader.stderr.read()[-2000:]
     assert set(report["checks"]) == {"logits", "greedy", "exactness", "speed", "costs"}
     failed = {name: check for name, check in report["checks"].items() if not check.get("passed")}
