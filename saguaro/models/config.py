@@ -58,6 +58,7 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_layers: list[int] = field(default_factory=list)
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' rope base, unscaled
+    source_hidden_size: int | None = None  # a twin's (twin.py) source width: drafts borrow that many embedding columns
 
     def __post_init__(self):
         if self.head_vocab_size is not None and self.tie_word_embeddings:

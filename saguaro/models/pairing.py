@@ -153,7 +153,7 @@ def load_draft(path: str | Path, target: LlamaModel, dtype: torch.dtype | None =
 def draft_embeddings(target: LlamaModel) -> torch.Tensor:
     """The embedding table a draft that omits its own borrows from `target`: the target's, or a
     twin's source's (saguaro.models.twin: its first columns), as the draft was made for the source."""
-    width = getattr(target, "source_hidden_size", target.config.hidden_size)
+    width = target.config.source_hidden_size or target.config.hidden_size
     return target.embed_tokens.weight.detach()[:, :width].contiguous()
 
 

@@ -121,6 +121,7 @@ def layout(config: ModelConfig, shape: TwinShape, head_placement: str = "grouped
     twin = dataclasses.replace(
         config, hidden_size=shape.hidden_size, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
         intermediate_size=shape.intermediate_size, num_layers=layers,
+        source_hidden_size=config.source_hidden_size or config.hidden_size,
         rms_norm_eps=config.rms_norm_eps * (config.hidden_size / shape.hidden_size if rescale_norms else 1.0))
     places = {"hidden": torch.arange(config.hidden_size), "ffn": torch.arange(config.intermediate_size),
               "q": (twin_heads[:, None] * config.head_dim + dim).reshape(-1),
@@ -172,12 +173,9 @@ def load_twin(path: str | Path, shape: TwinShape, dtype: torch.dtype = torch.bfl
     from saguaro.models.loader import read_checkpoint
 
     config, state = read_checkpoint(path)
-    source_width = config.hidden_size
     config, state = twin_state(config, {k: plain_weights(v, torch.float32) for k, v in state.items()}, shape,
                                dtype, device, **controls)
-    model = build_model(config, state, dtype, device, quantization)
-    model.source_hidden_size = source_width  # drafts made for the source borrow its embeddings (pairing.draft_embeddings)
-    return model
+    return build_model(config, state, dtype, device, quantization)
 
 
 # --- the GGUF file ----------------------------------------------------------------------------
