@@ -86,6 +86,7 @@ def main() -> None:
                       "json_schema_valid_with_formats": f"{with_formats}/{len(schemas)}",
                       "json_schema_stopped": f"{sum(o.finish_reason == 'stop' for o in outputs)}/{len(schemas)}",
                       "invalid": invalid, "required_calls_valid": f"{valid_calls}/{len(offered)}",
+                      "required_calls_stopped": f"{sum(o.finish_reason == 'stop' for o in call_outputs)}/{len(offered)}",
                       "output_tokens": sum(len(o.token_ids) for o in outputs + call_outputs),
                       "seconds": round(seconds, 1)}))
 

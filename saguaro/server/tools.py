@@ -260,15 +260,16 @@ def parameters_schema(function: dict) -> dict:
     return function.get("parameters") or {"type": "object", "properties": {}}
 
 
+MAX_PARALLEL_CALLS = 4  # a small model, forced to call, greedily repeats its call until max_tokens
+
+
 def required_calls_schema(functions: list[dict], parallel: bool) -> dict:
-    """A non-empty list of calls of the given functions, each its arguments under its schema
-    (one call at most unless parallel)."""
+    """A non-empty list of calls of the given functions, each its arguments under its schema:
+    one call unless parallel, else at most MAX_PARALLEL_CALLS."""
     one_of = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": parameters_schema(f)},
                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    schema = {"type": "array", "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of}, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
+    return {"type": "array", "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of}, "minItems": 1,
+            "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
 
 
 def forced_calls(text: str, named: str | None) -> list[ToolCall]:
