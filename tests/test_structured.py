@@ -26,6 +26,7 @@ from saguaro import LLM, SamplingParams
 from saguaro.engine import structured
 from saguaro.engine.processing import LogitsProcessor, chain_contexts
 from saguaro.engine.runner import forward_chunks
+from saguaro.engine.sampler import sample
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, grammar_tokenizer
 from saguaro.models import hub
@@ -43,8 +44,8 @@ NEW = 8
 # Choices at most positions: c or x; then the end, "a" or "ab". After "a" only "b" is legal:
 # forced, proposed without a draft and committed with probability 1.
 PATTERN = "(ab[cx])+"
-# After three rounds "x" or the end: where a forced-token check that ignores stop tokens breaks.
-ENDING = "(ab[cx]){1,3}x?"
+# After two rounds "x" or the end: where a forced-token check that ignores stop tokens breaks.
+ENDING = "(ab[cx]){1,2}x?"
 PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={EOS: -2.0, 3: 1.5, 5: -1.0})
 
 
@@ -236,9 +237,11 @@ def test_check_catches_a_verifier_comparing_against_the_unprocessed_target(targe
 
 
 def test_check_catches_penalties_not_advanced_along_the_draft(target, draft, tiny_tokenizer, monkeypatch):
+    """Verification counts the committed tokens only, at every position of a chain of 4 drafted
+    by the target itself (processed right), so that rounds reach deep positions."""
     monkeypatch.setattr(verification, "chain_contexts", lambda drafts: [[] for _ in range(len(drafts) + 1)])
-    params = params_of(0.8, ROWS, pattern=None, **PENALTIES)
-    outputs = decode(sd_decoder(target, draft, TINY_K), params, tiny_tokenizer)
+    params = params_of(0.8, ROWS, pattern=None, presence_penalty=1.0, frequency_penalty=0.5, logit_bias={EOS: -2.0})
+    outputs = decode(sd_decoder(target, peaked_model(), 4), params, tiny_tokenizer)
     assert pvalue(target, params, outputs, tiny_tokenizer) < ALPHA
 
 
@@ -258,16 +261,25 @@ def forced_ignoring_stop_tokens(self, limit, stop_ids):
     return run
 
 
+def walk_committing_every_node(tokens, parents, target_probs, u):
+    """Commits a chain's every node as certain, then samples the token after it."""
+    path = list(range(len(tokens)))
+    return path, int(sample(target_probs[len(path)][None], u[-1:])[0])
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_jump_forward_commits_forced_tokens_exactly(target, tiny_tokenizer, monkeypatch, broken):
-    """AR rounds commit the grammar's forced tokens without a draft. The control also commits
-    "x" where the end of the text was legal too."""
+    """AR rounds propose the grammar's forced tokens without a draft. Verification accepts them
+    with probability 1; here they are even committed unverified, which is exact only if each
+    truly was the one legal token. The control's check also calls "x" forced where the end of
+    the text was legal too."""
+    monkeypatch.setattr(verification, "walk", walk_committing_every_node)
     if broken:
         monkeypatch.setattr(structured.GrammarMatcher, "forced", forced_ignoring_stop_tokens)
-    params = params_of(0.8, ROWS, pattern=ENDING)
+    params = params_of(0.8, ROWS, pattern=ENDING, logit_bias={EOS: -1.5})
     decoder = ar_decoder(target)
     outputs = decode(decoder, params, tiny_tokenizer)
-    assert decoder.counters.num_draft_tokens > ROWS  # "b" after "a", at least
+    assert decoder.counters.num_draft_tokens > ROWS // 20  # "b" after "a"
     assert (pvalue(target, params, outputs, tiny_tokenizer) < ALPHA) == broken
 
 
