@@ -303,14 +303,14 @@ def backup_reports_temperature_only(monkeypatch) -> None:
     softmax at the temperature alone."""
     draft = drafters.autoregressive_draft
 
-    def misreporting(model, cache, rows, chunks, starts, params, k, u, reshape=None, features=None):
+    def misreporting(model, cache, rows, chunks, starts, params, k, u, reshape=None, features=None, constrain=None):
         reported = []
 
         def recording(i, q, logits):
             reported.append(torch.softmax(logits.float() / params.temperature[:, None], -1))
             return q if reshape is None else reshape(i, q, logits)
 
-        tokens, probs, hidden = draft(model, cache, rows, chunks, starts, params, k, u, recording, features)
+        tokens, probs, hidden = draft(model, cache, rows, chunks, starts, params, k, u, recording, features, constrain)
         return tokens, None if probs is None else torch.stack(reported, 1), hidden
 
     monkeypatch.setattr(drafters, "autoregressive_draft", misreporting)
