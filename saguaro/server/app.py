@@ -254,7 +254,11 @@ class RequestLimit:
 
 class BodyLimit:
     """ASGI middleware: a request body over max_bytes is refused with 413, at once if its
-    Content-Length says so (its body unread), else when a read passes the limit."""
+    Content-Length says so, else when a read passes the limit. A declared body up to
+    DRAINED x max_bytes is read and dropped first: a server that closes with a request's bytes
+    unread resets the connection, and the client sees that instead of the 413."""
+
+    DRAINED = 4
 
     def __init__(self, app, max_bytes: int, errors: Counter[int]):
         self.app, self.max_bytes, self.errors = app, max_bytes, errors
@@ -267,6 +271,9 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and int(declared) > self.max_bytes:
+            if int(declared) <= self.DRAINED * self.max_bytes:  # within the body timeout (BodyTimeout)
+                while (await receive()).get("more_body", False):
+                    pass
             return await refuse(413, error_body(self.too_large()), self.errors, scope, receive, send)
         received = 0
 
