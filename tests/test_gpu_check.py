@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,47 +20,37 @@ from saguaro.cli import main
 from saguaro.models import hub
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-CONCURRENT_LOAD = ("from saguaro import LLM, SamplingParams\n"
-                   "with LLM('smollm2', method='sd') as llm:\n"
-                   "    llm.generate(['def f(x):'], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)\n")
 
 
-@pytest.fixture(scope="module")
-def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up
+    sys.modules[name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
-def run_check(out: Path, env: dict, *options: str) -> tuple[int, dict, str]:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out), *options], env=env,
-                          capture_output=True, text=True, timeout=540)
-    return done.returncode, json.loads((out / "gpu_check.json").read_text()), done.stdout[-3000:] + done.stderr[-3000:]
+@pytest.fixture(scope="module")
+def gpu_check():
+    return load_script("gpu_check")
 
 
 def test_gpu_check_runs_end_to_end_on_the_cpu(smollm2_path, tmp_path):
-    cache = tmp_path / "cache"  # only the model file (and the compiled kernels): every load a first fill
-    (cache / "smollm2").mkdir(parents=True)
-    shutil.copy(smollm2_path, cache / "smollm2" / smollm2_path.name)
-    if (hub.cache_dir() / "native").is_dir():
-        shutil.copytree(hub.cache_dir() / "native", cache / "native")
+    runs = load_script("gpu_check_runs")  # the lead's driver of repeated dry runs, whose steps these are
+    cache = runs.fresh_cache(smollm2_path, hub.cache_dir() / "native", tmp_path / "cache")
     # the test process's threads (one each under CI's two test processes): two threads of the
     # check's would fight the other test process for its core, and a parallel region waiting on a
     # thread without a core stalls (AR decoded 0.2 tok/s so on a crowded machine, SSD's one thread 6.8)
-    env = os.environ | {"SAGUARO_CACHE": str(cache), "OMP_NUM_THREADS": str(torch.get_num_threads()),
-                        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    loader = subprocess.Popen([sys.executable, "-c", CONCURRENT_LOAD], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    env = runs.environment(cache, torch.get_num_threads())
+    loader = runs.start_concurrent_load(env)
     # the budget is what a crowded CI machine may need (a first fill, one thread): the 3-minute
-    # goal is the lead's measurement on a quiet one, not this test's
-    code, report, log = run_check(tmp_path / "first", env, "--budget-s", "420")
+    # goal is the lead's measurement on a quiet one (gpu_check_runs.py), not this test's
+    first = runs.run_check(tmp_path / "first", env, "--budget-s", "420", timeout=540)
     assert loader.wait(timeout=300) == 0, loader.stderr.read()[-2000:]
+    report = json.loads((tmp_path / "first" / "gpu_check.json").read_text())
     assert set(report["checks"]) == {"logits", "greedy", "exactness", "speed", "costs"}
     failed = {name: check for name, check in report["checks"].items() if not check.get("passed")}
-    assert not failed and code == 0 and report["passed"], log
+    assert not failed and first.passed and report["passed"], first.log_tail
     assert report["checks"]["greedy"]["sd_captured_passes"] > 0  # the target's passes ran captured
     assert report["checks"]["greedy"]["ssd_draft_losses"] == 0
     assert report["checks"]["speed"]["metrics"]["ssd"]["draft_losses"] == 0
@@ -75,8 +62,8 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(smollm2_path, tmp_path):
     assert main(["plan", "--profile", str(tmp_path / "first" / "profile.json")]) == 0  # the planner reads what it left
     assert (tmp_path / "first" / "plan.md").read_text().count("|") > 20
 
-    code, report, log = run_check(tmp_path / "second", env, "--checks", "logits,greedy")  # the filled cache's replay
-    assert code == 0 and report["passed"], log
+    second = runs.run_check(tmp_path / "second", env, "--checks", "logits,greedy", timeout=540)  # the filled cache's replay
+    assert second.passed and json.loads((tmp_path / "second" / "gpu_check.json").read_text())["passed"], second.log_tail
 
 
 def test_what_if_is_the_planners_forecast(gpu_check):
