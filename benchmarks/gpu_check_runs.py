@@ -88,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=10, help="dry runs in all, half beside a concurrent first load")
     parser.add_argument("--out", default=None, help="folder for each run's report and log (default: a temporary one)")
-    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of every process (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="OMP_NUM_THREADS of every process (default 1, as under CI's two test processes: the "
+                             "check's SSD worker holds the other core, and on a crowded machine a second thread's "
+                             "waits cost the greedy check 6x its CPU time); 0: torch's default")
     parser.add_argument("--timeout-s", type=float, default=600, help="a run killed after this long fails")
     parser.add_argument("check_options", nargs="*", help="passed to gpu_check.py after --")
     args = parser.parse_args(argv)
