@@ -6,12 +6,13 @@ second process loads the same model at the same moment (a first fill of the cach
 two processes once failed the dry run), the second alone on the cache that the first filled.
 Prints each run's pass or fail, its wall time and its CPU time (the check's process and the
 workers it ended: on a shared machine the wall time says how crowded it was, the CPU time what
-the run cost) and leaves each run's report in --out. The goal (issue 54): every run passes, in
+the run cost), each check's (wall / CPU seconds), and leaves each run's report and log in --out. The goal (issue 54): every run passes, in
 at most 3 minutes each on 2 quiet cores.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -82,6 +83,17 @@ def run_check(out: Path, env: dict, *options: str, timeout: float = 600) -> RunR
     return RunResult(process.returncode == 0, process.returncode, wall, usage.ru_utime + usage.ru_stime, tail)
 
 
+def checks_line(out: Path) -> str:
+    """Each check's outcome, wall and CPU seconds, from the run's report."""
+    try:
+        checks = json.loads((out / "gpu_check.json").read_text())["checks"]
+    except (OSError, ValueError, KeyError):
+        return f"no report in {out}"
+    return ", ".join(f"{name} skipped ({c['skipped']})" if "skipped" in c else
+                     f"{name} {'ok' if c.get('passed') else 'FAILED'} {c['seconds']:.0f}/{c['cpu_seconds']:.0f} s"
+                     for name, c in checks.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     from saguaro.models import hub
 
@@ -114,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             kind = "fresh cache, concurrent load" if concurrent else "filled cache, alone"
             print(f"run {run + 1}/{args.runs} ({kind}): {'passed' if result.passed else 'FAILED'} "
-                  f"in {result.wall_s:.0f} s wall, {result.cpu_s:.0f} s CPU; {out / f'run{run}'}", flush=True)
+                  f"in {result.wall_s:.0f} s wall, {result.cpu_s:.0f} s CPU; {checks_line(out / f'run{run}')}",
+                  flush=True)
             if not result.passed:
                 print(result.log_tail, flush=True)
     walls = sorted(r.wall_s for r in results)
