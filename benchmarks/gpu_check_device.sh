@@ -39,7 +39,10 @@ receive)
     ls -l "$PARTS"
     ;;
 check)
-    cp .gpu/c/* "$PARTS"/
+    mkdir -p "$PARTS" && cp .gpu/c/* "$PARTS"/
+    for part in part00 part01 part02; do
+        [ -f "$PARTS/$part" ] || { echo "$part is missing (a fresh machine?): run the receive calls again"; exit 1; }
+    done
     cat "$PARTS"/part00 "$PARTS"/part01 "$PARTS"/part02 > /tmp/model.gguf
     [ "$(sha256sum < /tmp/model.gguf)" = "$(cat "$PARTS"/model.sha256)" ] || { echo "the model's parts do not add up: run the receive calls again"; exit 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$PARTS"/*.whl
