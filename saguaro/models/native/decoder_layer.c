@@ -300,45 +300,23 @@ TARGET static void gated(const uint16_t *gate_up, int64_t inter, int activation,
 
 #endif
 
-/* x [n, hidden] (bf16, updated in place) through one layer. keys / values: this layer's cache,
- * [cache_rows, kv_heads, cache_slots, head_dim]; token t is written at row_of[t], slot_of[t] and
- * attends to slots 0 .. span - 1 of its row where mask[t * span + j] (all of them when mask is
- * NULL). Returns 0, -1 where memory ran out, -2 for an unsupported head size. */
-TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, const float *cos, const float *sin,
-                          uint16_t *keys, uint16_t *values, int64_t cache_slots, const int64_t *row_of,
-                          const int64_t *slot_of, const uint8_t *mask, int64_t span, int threads) {
-    const int64_t H = w->heads, Hkv = w->kv_heads, D = w->head_dim, hidden = w->hidden, inter = w->intermediate;
-    const int64_t qkv_width = (H + 2 * Hkv) * D, group = H / Hkv;
-    if (D > MAX_HEAD_DIM || D % 16 || inter % 16) return -2;
-    uint16_t *normed = malloc(sizeof(uint16_t) * n * (hidden > H * D ? hidden : H * D));
-    uint16_t *qkv = malloc(sizeof(uint16_t) * n * qkv_width);
-    uint16_t *attn = malloc(sizeof(uint16_t) * n * H * D);
-    uint16_t *wide = malloc(sizeof(uint16_t) * n * 2 * inter);
-    uint16_t *narrow = malloc(sizeof(uint16_t) * n * (hidden > inter ? hidden : inter));
+/* softmax(cap(q k^T scale)) v, the layer's attention: n tokens' queries, the first H x D values of
+ * each row of qkv [n, (H + 2 Hkv) D], over the first span slots of their cache rows (keys, values,
+ * row_of and mask as saguaro_decoder_layer takes them) -> out [n, H D] in bf16. Called alone by
+ * the tests, which hold it to a float64 reference. Returns 0, -1 where memory ran out, -2 for an
+ * unsupported head size. */
+TARGET int saguaro_attention(const LayerWeights *w, const uint16_t *qkv, int64_t n, const uint16_t *keys,
+                             const uint16_t *values, int64_t cache_slots, const int64_t *row_of, const uint8_t *mask,
+                             int64_t span, uint16_t *out, int threads) {
+    const int64_t H = w->heads, Hkv = w->kv_heads, D = w->head_dim, qkv_width = (H + 2 * Hkv) * D, group = H / Hkv;
+    if (D > MAX_HEAD_DIM || D % 16) return -2;
     const int64_t scratch_floats = attend_scratch(span, D);
     float *scratch = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * (size_t)scratch_floats);
     int64_t *run_start = malloc(sizeof(int64_t) * (size_t)(n + 1));
-    int status = -1;
-    if (!normed || !qkv || !attn || !wide || !narrow || !scratch || !run_start) goto done;
-
-    const float offset = w->norm_offset;
-    for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->input_norm, hidden, w->eps, offset, normed + t * hidden);
-    if (saguaro_group_matmul(w->qkv_bits, w->qkv, normed, qkv, n, hidden, qkv_width, 0, threads)) goto done;
-    for (int64_t t = 0; t < n; t++) {
-        uint16_t *row = qkv + t * qkv_width;
-        if (w->qkv_bias)
-            for (int64_t i = 0; i < qkv_width; i++) row[i] = to_bf16(from_bf16(row[i]) + from_bf16(w->qkv_bias[i]));
-        for (int64_t h = 0; h < H + Hkv; h++) {
-            uint16_t *head = row + h * D;
-            const uint16_t *norm = h < H ? w->q_norm : w->k_norm;
-            if (norm) rms_norm(head, norm, D, w->eps, offset, head);
-            if (w->rope) rope(head, cos + t * (w->rotary_dim / 2), sin + t * (w->rotary_dim / 2), w->rotary_dim);
-        }
-        for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t at = ((row_of[t] * Hkv + h) * cache_slots + slot_of[t]) * D;
-            memcpy(keys + at, row + (H + h) * D, sizeof(uint16_t) * D);
-            memcpy(values + at, row + (H + Hkv + h) * D, sizeof(uint16_t) * D);
-        }
+    if (!scratch || !run_start) {
+        free(scratch);
+        free(run_start);
+        return -1;
     }
     /* Attention in jobs of one kv head over a run of consecutive tokens in one cache row, whose
      * queries (tokens x the kv head's query heads) read the same keys and values (attend_queries
@@ -361,8 +339,51 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
         attend_queries(qkv + t0 * qkv_width + kv * group * D, qkv_width, group, queries * part / parts,
                        queries * (part + 1) / parts, keys + base, values + base, D, mask ? mask + t0 * span : NULL,
                        span, w->attn_scale, w->attn_softcap, scratch + thread * scratch_floats,
-                       attn + t0 * H * D + kv * group * D, H * D);
+                       out + t0 * H * D + kv * group * D, H * D);
     }
+    free(scratch);
+    free(run_start);
+    return 0;
+}
+
+/* x [n, hidden] (bf16, updated in place) through one layer. keys / values: this layer's cache,
+ * [cache_rows, kv_heads, cache_slots, head_dim]; token t is written at row_of[t], slot_of[t] and
+ * attends to slots 0 .. span - 1 of its row where mask[t * span + j] (all of them when mask is
+ * NULL). Returns 0, -1 where memory ran out, -2 for an unsupported head size. */
+TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, const float *cos, const float *sin,
+                          uint16_t *keys, uint16_t *values, int64_t cache_slots, const int64_t *row_of,
+                          const int64_t *slot_of, const uint8_t *mask, int64_t span, int threads) {
+    const int64_t H = w->heads, Hkv = w->kv_heads, D = w->head_dim, hidden = w->hidden, inter = w->intermediate;
+    const int64_t qkv_width = (H + 2 * Hkv) * D, group = H / Hkv;
+    if (D > MAX_HEAD_DIM || D % 16 || inter % 16) return -2;
+    uint16_t *normed = malloc(sizeof(uint16_t) * n * (hidden > H * D ? hidden : H * D));
+    uint16_t *qkv = malloc(sizeof(uint16_t) * n * qkv_width);
+    uint16_t *attn = malloc(sizeof(uint16_t) * n * H * D);
+    uint16_t *wide = malloc(sizeof(uint16_t) * n * 2 * inter);
+    uint16_t *narrow = malloc(sizeof(uint16_t) * n * (hidden > inter ? hidden : inter));
+    int status = -1;
+    if (!normed || !qkv || !attn || !wide || !narrow) goto done;
+
+    const float offset = w->norm_offset;
+    for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->input_norm, hidden, w->eps, offset, normed + t * hidden);
+    if (saguaro_group_matmul(w->qkv_bits, w->qkv, normed, qkv, n, hidden, qkv_width, 0, threads)) goto done;
+    for (int64_t t = 0; t < n; t++) {
+        uint16_t *row = qkv + t * qkv_width;
+        if (w->qkv_bias)
+            for (int64_t i = 0; i < qkv_width; i++) row[i] = to_bf16(from_bf16(row[i]) + from_bf16(w->qkv_bias[i]));
+        for (int64_t h = 0; h < H + Hkv; h++) {
+            uint16_t *head = row + h * D;
+            const uint16_t *norm = h < H ? w->q_norm : w->k_norm;
+            if (norm) rms_norm(head, norm, D, w->eps, offset, head);
+            if (w->rope) rope(head, cos + t * (w->rotary_dim / 2), sin + t * (w->rotary_dim / 2), w->rotary_dim);
+        }
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t at = ((row_of[t] * Hkv + h) * cache_slots + slot_of[t]) * D;
+            memcpy(keys + at, row + (H + h) * D, sizeof(uint16_t) * D);
+            memcpy(values + at, row + (H + Hkv + h) * D, sizeof(uint16_t) * D);
+        }
+    }
+    if (saguaro_attention(w, qkv, n, keys, values, cache_slots, row_of, mask, span, attn, threads)) goto done;
     if (saguaro_group_matmul(w->o_bits, w->o, attn, narrow, n, H * D, hidden, 0, threads)) goto done;
     if (w->attn_out_norm)
         for (int64_t t = 0; t < n; t++) rms_norm(narrow + t * hidden, w->attn_out_norm, hidden, w->eps, offset, narrow + t * hidden);
@@ -382,8 +403,6 @@ done:
     free(attn);
     free(wide);
     free(narrow);
-    free(scratch);
-    free(run_start);
     return status;
 }
 
