@@ -200,9 +200,10 @@ TARGET static inline __attribute__((always_inline)) void attend_batch(
             const int64_t t = (first + i) / heads, h = (first + i) % heads;
             float *own = scores + i * stride + j0;
             __mmask16 visible = slots == 16 ? 0xFFFF : (__mmask16)((1u << slots) - 1);
-            if (mask)
-                for (int k = 0; k < slots; k++)
-                    if (!mask[t * span + j0 + k]) visible &= (__mmask16)~(1u << k);
+            if (mask) { /* the row's bytes of these slots, none read past the row */
+                const __m128i bytes = _mm_maskz_loadu_epi8(visible, mask + t * span + j0);
+                visible = _mm_test_epi8_mask(bytes, bytes);
+            }
             if (!visible) {
                 _mm512_storeu_ps(own, _mm512_set1_ps(-INFINITY));
                 continue;
