@@ -10,6 +10,8 @@ K + 1 tokens costs against one step.
    issue 53 by default: SmolLM2-135M widened to hidden 1920, 30 heads over 10 kv heads, FFN 7680,
    30 layers, Q4_1 projections) and its Q8_0 head over every row, 256 cached tokens: one token
    (a step) against 6 (a verification of K = 5), and their ratio.
+4. breakdown: that pass's products one by one (each projection over every layer, the head), ms
+   a pass and share of the int8 peak; the rest of the pass is attention, norms and rope.
 
 With --against, the kernels of another folder of sources (an older checkout's
 saguaro/models/native) run the same work in the same process, the two taking turns; medians.
@@ -19,6 +21,7 @@ count less (they still share the memory's bandwidth).
     python benchmarks/peak.py --threads 1
     python benchmarks/peak.py --against ../old/saguaro/models/native --kinds q4_1,q4_k --rows 1,6
     python benchmarks/peak.py --what layers --context 1024 --against ../old/saguaro/models/native
+    python benchmarks/peak.py --what layers,breakdown --repeats 9
 """
 from __future__ import annotations
 
@@ -159,6 +162,7 @@ class Model:
         bits, qkv = WIDTHS[KINDS[shape.kind]], (shape.heads + 2 * shape.kv_heads) * shape.head_dim
         ones = torch.ones(max(shape.hidden, shape.head_dim), dtype=torch.bfloat16)
         self.kept = [ones]
+        self.projections = []  # each layer's tiles by name, with their (outputs, inputs)
         layers = []
         for _ in range(shape.layers):
             projections = {name: random_tiles(bits, out_features, in_features)
@@ -167,6 +171,10 @@ class Model:
                                ("gate_up", 2 * shape.intermediate, shape.hidden),
                                ("down", shape.hidden, shape.intermediate))}
             self.kept += projections.values()
+            self.projections.append({name: (tiles, (out_features, in_features)) for (name, out_features, in_features), tiles
+                                     in zip((("qkv", qkv, shape.hidden), ("o", shape.hidden, shape.heads * shape.head_dim),
+                                             ("gate_up", 2 * shape.intermediate, shape.hidden),
+                                             ("down", shape.hidden, shape.intermediate)), projections.values())})
             layers.append(native.LayerWeights(
                 hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
                 intermediate=shape.intermediate, eps=1e-5, input_norm=ones.data_ptr(), post_norm=ones.data_ptr(),
@@ -204,9 +212,8 @@ class Model:
         return clock(threads) - start
 
 
-def verification_cost(libraries: dict[str, ctypes.CDLL], shape_name: str, tokens: list[int],
+def verification_cost(libraries: dict[str, ctypes.CDLL], model: Model, shape_name: str, tokens: list[int],
                       args: argparse.Namespace) -> None:
-    model = Model(SHAPES[shape_name], args.context)
     print(f"\nlayers and head of the {shape_name} shape ({model.shape}), {args.context} cached tokens, "
           f"{args.threads} thread(s), ms a pass, medians of {args.repeats}")
     print("| tokens | " + " | ".join(libraries) + " |\n|---|" + "---|" * len(libraries))
@@ -223,15 +230,69 @@ def verification_cost(libraries: dict[str, ctypes.CDLL], shape_name: str, tokens
             f"{medians[(label, n)] / medians[(label, tokens[0])]:.2f}" for label in libraries) + " |")
 
 
+def product_costs(libraries: dict[str, ctypes.CDLL], model: Model, peaks: dict[str, float], tokens: list[int],
+                  args: argparse.Namespace) -> None:
+    """Each product of a pass (a projection over every layer, the head once) at each token count:
+    ms a pass and share of the int8 peak (x threads); what the pass takes beyond them is attention,
+    norms, rope and the rest."""
+    s = model.shape
+    bits = WIDTHS[KINDS[s.kind]]
+    products = {name: [(layer[name][0], *layer[name][1], bits, 0) for layer in model.projections]
+                for name in ("qkv", "o", "gate_up", "down")}  # bf16 out, as in the layers; the head's in fp32
+    products["head"] = [(model.head, s.vocab, s.hidden, model.head_bits, 1)]
+    limit = peaks["vnni"] * args.threads
+    print(f"\nthe products of a pass of the {args.shape} shape, {args.threads} thread(s), medians of {args.repeats}: "
+          "ms a pass (share of the int8 peak)")
+    print("| product | tokens | " + " | ".join(libraries) + " |\n|---|---|" + "---|" * len(libraries))
+    for name, parts in products.items():
+        for n in tokens:
+            x = (torch.randn(n, max(p[2] for p in parts)) * 0.5).to(torch.bfloat16)
+            out = torch.empty(n, max(p[1] for p in parts), dtype=torch.float32)
+            seconds: dict[str, list[float]] = {label: [] for label in libraries}
+            for _ in range(args.repeats):
+                for label, lib in libraries.items():  # taking turns
+                    start = clock(args.threads)
+                    for tiles, out_features, in_features, kind, fp32 in parts:
+                        lib.saguaro_group_matmul(kind, tiles.data_ptr(), x.data_ptr(), out.data_ptr(), n, in_features,
+                                                 out_features, fp32, args.threads)
+                    seconds[label].append(clock(args.threads) - start)
+            macs = n * sum(out_features * in_features for _, out_features, in_features, _, _ in parts)
+            print(f"| {name} | {n} | " + " | ".join(
+                f"{1000 * statistics.median(seconds[label]):.1f} ({macs / statistics.median(seconds[label]) / limit:.0%})"
+                for label in libraries) + " |", flush=True)
+    print("| attention | tokens | " + " | ".join(libraries) + " |")
+    for n in tokens:  # every layer's, over its cache (libraries without saguaro_attention: -)
+        qkv = (torch.randn(n, (s.heads + 2 * s.kv_heads) * s.head_dim)).to(torch.bfloat16)
+        attn = torch.empty(n, s.heads * s.head_dim, dtype=torch.bfloat16)
+        rows = torch.zeros(n, dtype=torch.int64)
+        span = model.context + n
+        mask = torch.ones(n, span, dtype=torch.uint8).tril(model.context)
+        seconds = {label: [] for label, lib in libraries.items() if hasattr(lib, "saguaro_attention")}
+        for _ in range(args.repeats):
+            for label in seconds:
+                start = clock(args.threads)
+                for i in range(s.layers):
+                    libraries[label].saguaro_attention(
+                        ctypes.byref(model.layers[i]), qkv.data_ptr(), n, model.keys[i].data_ptr(),
+                        model.values[i].data_ptr(), model.context + 16, rows.data_ptr(), mask.data_ptr(), span,
+                        attn.data_ptr(), args.threads)
+                seconds[label].append(clock(args.threads) - start)
+        print(f"| attention | {n} | " + " | ".join(
+            f"{1000 * statistics.median(seconds[label]):.1f}" if label in seconds else "-" for label in libraries) + " |")
+
+
 def with_layer_calls(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.saguaro_decoder_layers.argtypes = native.library().saguaro_decoder_layers.argtypes
-    lib.saguaro_decoder_layers.restype = ctypes.c_int
+    for name in ("saguaro_decoder_layers", "saguaro_attention"):
+        if hasattr(lib, name):  # an older checkout's kernels may lack saguaro_attention
+            getattr(lib, name).argtypes = getattr(native.library(), name).argtypes
+            getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--what", default="products,layers", help="of products, layers (the peak is always measured)")
+    parser.add_argument("--what", default="products,layers",
+                        help="of products, layers, breakdown (the peak is always measured)")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS)}")
     parser.add_argument("--rows", default="1,2,4,6,8,16,64")
     parser.add_argument("--tokens", default="1,6", help="tokens a pass of the layers: the first is the step")
@@ -255,8 +316,13 @@ def main() -> None:
     if "products" in what:
         product_shares(libraries, args.kinds.split(","), [int(r) for r in args.rows.split(",")],
                        SHAPES[args.product_shape], peaks, args)
-    if "layers" in what:
-        verification_cost(libraries, args.shape, [int(t) for t in args.tokens.split(",")], args)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if "layers" in what or "breakdown" in what:
+        model = Model(SHAPES[args.shape], args.context)
+        if "layers" in what:
+            verification_cost(libraries, model, args.shape, tokens, args)
+        if "breakdown" in what:
+            product_costs(libraries, model, peaks, tokens, args)
 
 
 if __name__ == "__main__":

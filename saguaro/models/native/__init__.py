@@ -128,6 +128,10 @@ def library() -> ctypes.CDLL | None:
                                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                           ctypes.c_int64, ctypes.c_int]
     lib.saguaro_decoder_layer.restype = ctypes.c_int
+    lib.saguaro_attention.argtypes = [ctypes.POINTER(LayerWeights), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_int]
+    lib.saguaro_attention.restype = ctypes.c_int
     lib.saguaro_decoder_layers.argtypes = [ctypes.POINTER(LayerWeights), ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,

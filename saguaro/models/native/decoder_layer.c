@@ -16,6 +16,14 @@
 #endif
 
 #define MAX_HEAD_DIM 256
+#define QUERY_BATCH 32 /* queries that take the keys and values of a cache row together (attend_batch) */
+#define CONVERTED_QUERIES 4 /* and how many share them converted to fp32 */
+
+/* Floats of scratch attention takes a thread: QUERY_BATCH queries' scores, 16 slots of keys or
+ * values in fp32 and QUERY_BATCH queries' sums (the AVX2 build uses the first span + 16). */
+static int64_t attend_scratch(int64_t span, int64_t head_dim) {
+    return QUERY_BATCH * (span + 16) + 16 * head_dim + QUERY_BATCH * head_dim;
+}
 
 int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *x, void *out, int64_t rows,
                          int64_t in_features, int64_t out_features, int out_fp32, int threads);
@@ -126,50 +134,158 @@ TARGET static inline __m512 gelu_tanh_ps(__m512 x) {
     return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.0f), tanh));
 }
 
-/* softmax(cap(q k^T scale)) v for one query head over the visible slots of one cache row, in
- * fp32: products in 16-wide lanes, summed across lanes in a fixed order. head_dim % 16 == 0;
- * scale 0: 1 / sqrt(head_dim); cap 0: no soft cap. */
-TARGET static void attend(const uint16_t *q, const uint16_t *keys, const uint16_t *values, int64_t head_dim,
-                          const uint8_t *mask, int64_t span, float scale, float cap, float *scores, uint16_t *out) {
-    const int64_t lanes = head_dim / 16;
-    if (scale == 0.0f) scale = 1.0f / sqrtf((float)head_dim);
-    __m512 qv[MAX_HEAD_DIM / 16], acc[MAX_HEAD_DIM / 16];
-    for (int64_t l = 0; l < lanes; l++) {
-        qv[l] = load_bf16(q + 16 * l);
-        acc[l] = _mm512_setzero_ps();
+/* 16 keys or values from element i: bf16 from the cache, or (fp32) converted to fp32 before
+ * (slots_fp32): the same fp32 values either way. */
+TARGET static inline __m512 load_kv(const void *at, int64_t i, int fp32) {
+    return fp32 ? _mm512_loadu_ps((const float *)at + i) : load_bf16((const uint16_t *)at + i);
+}
+
+/* q . key over a head's lanes, in 16 fp32 lanes (summed across them by key_sums). */
+TARGET static inline __m512 key_dot(const __m512 *qv, const void *keys, int64_t at, int64_t lanes, int fp32) {
+    __m512 dot = _mm512_mul_ps(qv[0], load_kv(keys, at, fp32));
+    for (int64_t l = 1; l < lanes; l++) dot = _mm512_fmadd_ps(qv[l], load_kv(keys, at + 16 * l, fp32), dot);
+    return dot;
+}
+
+/* Two keys' dot lanes folded into one vector, the first step of key_sums: in each 128-bit
+ * quarter, a's lanes 0 + 2 and 1 + 3, interleaved with b's. */
+TARGET static inline __m512 fold_pair(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+/* The lane sums of 16 keys' dot vectors, from their 8 folded pairs: lane k holds key k's sum,
+ * ((0 + 2) + (1 + 3)) within each quarter, then (quarters 0 + 1) + (2 + 3), the same for every
+ * key: 45 operations for 16 keys, where a sum per key took about 8. */
+TARGET static inline __m512 key_sums(const __m512 *pairs) {
+    __m512 quads[4], halves[2];
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
-    float top = -INFINITY;
-    for (int64_t j = 0; j < span; j++) {
-        if (mask && !mask[j]) {
-            scores[j] = -INFINITY;
-            continue;
+    for (int i = 0; i < 2; i++)
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88), _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+/* 16 slots of a cache row's keys or values from slot j0 (fewer at the end) in fp32, slot by slot. */
+TARGET static inline void slots_fp32(const uint16_t *at, int64_t j0, int64_t count, int64_t head_dim, float *block) {
+    for (int64_t i = 0; i < count * head_dim; i += 16) _mm512_storeu_ps(block + i, load_bf16(at + j0 * head_dim + i));
+}
+
+/* softmax(cap(q k^T scale)) v, in fp32, for `count` (at most QUERY_BATCH) queries from query
+ * `first` of a run of tokens x `heads` query heads (query i: token i / heads, head i % heads)
+ * that read the same cache row's keys and values, over each token's visible slots. The slots are
+ * taken 16 at a time from slot 0 for every query before the next 16, converted to fp32 once
+ * for them all: one query at a time read a kv head's keys and values (67 KB at 256 slots) from
+ * L2 for each. Each query's arithmetic is the same whatever the batch: a score's products in
+ * 16-wide lanes summed across them by key_sums, the values weighed in slot order. head_dim % 16
+ * == 0; scale 0: 1 / sqrt(head_dim); cap 0: no soft cap. scratch: attend_scratch floats. fp32:
+ * whether to convert the slots, else read from the cache as they are. */
+TARGET static inline __attribute__((always_inline)) void attend_batch(
+        const uint16_t *q, int64_t q_stride, int64_t heads, int64_t first, int64_t count, const uint16_t *keys,
+        const uint16_t *values, int64_t head_dim, const uint8_t *mask, int64_t span, float scale, float cap,
+        float *scratch, uint16_t *out, int64_t out_stride, int fp32) {
+    const int64_t lanes = head_dim / 16, stride = span + 16;
+    float *scores = scratch, *block = scores + QUERY_BATCH * stride, *sums = block + 16 * head_dim;
+    if (scale == 0.0f) scale = 1.0f / sqrtf((float)head_dim);
+    __m512 tops[QUERY_BATCH];
+    float totals[QUERY_BATCH];
+    for (int64_t i = 0; i < count; i++) tops[i] = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < span; j0 += 16) {
+        const int64_t slots = span - j0 < 16 ? span - j0 : 16;
+        const void *from = fp32 ? (const void *)block : (const void *)(keys + j0 * head_dim);
+        if (fp32) slots_fp32(keys, j0, slots, head_dim, block);
+        for (int64_t i = 0; i < count; i++) {
+            const int64_t t = (first + i) / heads, h = (first + i) % heads;
+            float *own = scores + i * stride + j0;
+            __mmask16 visible = slots == 16 ? 0xFFFF : (__mmask16)((1u << slots) - 1);
+            if (mask) { /* the row's bytes of these slots, none read past the row */
+                const __m128i bytes = _mm_maskz_loadu_epi8(visible, mask + t * span + j0);
+                visible = _mm_test_epi8_mask(bytes, bytes);
+            }
+            if (!visible) {
+                _mm512_storeu_ps(own, _mm512_set1_ps(-INFINITY));
+                continue;
+            }
+            __m512 qv[MAX_HEAD_DIM / 16], pairs[8];
+            for (int64_t l = 0; l < lanes; l++) qv[l] = load_bf16(q + t * q_stride + h * head_dim + 16 * l);
+            for (int k = 0; k < 16; k += 2) { /* masked slots' dots are not computed */
+                const __m512 a = visible >> k & 1 ? key_dot(qv, from, k * head_dim, lanes, fp32) : _mm512_setzero_ps();
+                const __m512 b = visible >> (k + 1) & 1 ? key_dot(qv, from, (k + 1) * head_dim, lanes, fp32)
+                                                        : _mm512_setzero_ps();
+                pairs[k / 2] = fold_pair(a, b);
+            }
+            __m512 s = _mm512_mul_ps(key_sums(pairs), _mm512_set1_ps(scale));
+            if (cap != 0.0f) {
+                _mm512_storeu_ps(own, s);
+                for (int k = 0; k < slots; k++) own[k] = cap * tanhf(own[k] / cap);
+                s = _mm512_loadu_ps(own);
+            }
+            s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible, s);
+            _mm512_storeu_ps(own, s);
+            tops[i] = _mm512_max_ps(tops[i], s);
         }
-        __m512 dot = _mm512_mul_ps(qv[0], load_bf16(keys + j * head_dim));
-        for (int64_t l = 1; l < lanes; l++) dot = _mm512_fmadd_ps(qv[l], load_bf16(keys + j * head_dim + 16 * l), dot);
-        scores[j] = _mm512_reduce_add_ps(dot) * scale;
-        if (cap != 0.0f) scores[j] = cap * tanhf(scores[j] / cap);
-        if (scores[j] > top) top = scores[j];
     }
     /* weights e^(s - top), 16 slots at a time; masked slots weigh exactly zero */
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < span; j += 16) {
-        const __mmask16 live = span - j >= 16 ? 0xFFFF : (__mmask16)((1u << (span - j)) - 1);
-        const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, scores + j);
-        const __mmask16 visible = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        const __m512 p = _mm512_maskz_mov_ps(visible, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-        _mm512_mask_storeu_ps(scores + j, live, p);
-        sum = _mm512_add_ps(sum, p);
+    for (int64_t i = 0; i < count; i++) {
+        const float top = _mm512_reduce_max_ps(tops[i]);
+        float *own = scores + i * stride;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < span; j += 16) {
+            const __mmask16 live = span - j >= 16 ? 0xFFFF : (__mmask16)((1u << (span - j)) - 1);
+            const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, own + j);
+            const __mmask16 visible = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            const __m512 p = _mm512_maskz_mov_ps(visible, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+            _mm512_mask_storeu_ps(own + j, live, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        totals[i] = _mm512_reduce_add_ps(sum);
+        for (int64_t l = 0; l < lanes; l++) _mm512_storeu_ps(sums + (i * lanes + l) * 16, _mm512_setzero_ps());
     }
-    const float total = _mm512_reduce_add_ps(sum);
-    for (int64_t j = 0; j < span; j++) {
-        if (scores[j] == 0.0f) continue;  /* masked (or vanishingly small: adds nothing either way) */
-        const __m512 pv = _mm512_set1_ps(scores[j]);
-        for (int64_t l = 0; l < lanes; l++) acc[l] = _mm512_fmadd_ps(pv, load_bf16(values + j * head_dim + 16 * l), acc[l]);
+    /* the values, weighed in slot order, 16 slots at a time for every query */
+    for (int64_t j0 = 0; j0 < span; j0 += 16) {
+        const int64_t slots = span - j0 < 16 ? span - j0 : 16;
+        const void *from = fp32 ? (const void *)block : (const void *)(values + j0 * head_dim);
+        if (fp32) slots_fp32(values, j0, slots, head_dim, block);
+        for (int64_t i = 0; i < count; i++) {
+            const float *weights = scores + i * stride + j0;
+            __m512 acc[MAX_HEAD_DIM / 16];
+            for (int64_t l = 0; l < lanes; l++) acc[l] = _mm512_loadu_ps(sums + (i * lanes + l) * 16);
+            for (int64_t k = 0; k < slots; k++) {
+                if (weights[k] == 0.0f) continue;  /* masked (or vanishingly small: adds nothing either way) */
+                const __m512 pv = _mm512_set1_ps(weights[k]);
+                for (int64_t l = 0; l < lanes; l++) acc[l] = _mm512_fmadd_ps(pv, load_kv(from, k * head_dim + 16 * l, fp32), acc[l]);
+            }
+            for (int64_t l = 0; l < lanes; l++) _mm512_storeu_ps(sums + (i * lanes + l) * 16, acc[l]);
+        }
     }
     float result[16];
-    for (int64_t l = 0; l < lanes; l++) {
-        _mm512_storeu_ps(result, _mm512_div_ps(acc[l], _mm512_set1_ps(total)));
-        for (int i = 0; i < 16; i++) out[16 * l + i] = to_bf16(result[i]);
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t t = (first + i) / heads, h = (first + i) % heads;
+        for (int64_t l = 0; l < lanes; l++) {
+            _mm512_storeu_ps(result, _mm512_div_ps(_mm512_loadu_ps(sums + (i * lanes + l) * 16), _mm512_set1_ps(totals[i])));
+            for (int e = 0; e < 16; e++) out[t * out_stride + h * head_dim + 16 * l + e] = to_bf16(result[e]);
+        }
+    }
+}
+
+/* attend_batch over queries first .. last - 1, QUERY_BATCH at a time, with the slots converted to
+ * fp32 where CONVERTED_QUERIES or more share them (fewer, as a one-token step's 3 queries of a kv
+ * head of SmolLM2's twin, attended 1.2x slower so), the common head sizes as constants. */
+TARGET static void attend_queries(const uint16_t *q, int64_t q_stride, int64_t heads, int64_t first, int64_t last,
+                                  const uint16_t *keys, const uint16_t *values, int64_t head_dim, const uint8_t *mask,
+                                  int64_t span, float scale, float cap, float *scratch, uint16_t *out,
+                                  int64_t out_stride) {
+    for (int64_t i = first; i < last; i += QUERY_BATCH) {
+        const int64_t count = last - i < QUERY_BATCH ? last - i : QUERY_BATCH;
+#define BATCH(D, FP32) attend_batch(q, q_stride, heads, i, count, keys, values, D, mask, span, scale, cap, scratch, out, \
+                                   out_stride, FP32)
+        const int fp32 = count >= CONVERTED_QUERIES;
+        if (head_dim == 64) BATCH(64, fp32);
+        else if (head_dim == 128) BATCH(128, fp32);
+        else BATCH(head_dim, fp32);
+#undef BATCH
     }
 }
 
@@ -184,6 +300,52 @@ TARGET static void gated(const uint16_t *gate_up, int64_t inter, int activation,
 }
 
 #endif
+
+/* softmax(cap(q k^T scale)) v, the layer's attention: n tokens' queries, the first H x D values of
+ * each row of qkv [n, (H + 2 Hkv) D], over the first span slots of their cache rows (keys, values,
+ * row_of and mask as saguaro_decoder_layer takes them) -> out [n, H D] in bf16. Called alone by
+ * the tests, which hold it to a float64 reference. Returns 0, -1 where memory ran out, -2 for an
+ * unsupported head size. */
+TARGET int saguaro_attention(const LayerWeights *w, const uint16_t *qkv, int64_t n, const uint16_t *keys,
+                             const uint16_t *values, int64_t cache_slots, const int64_t *row_of, const uint8_t *mask,
+                             int64_t span, uint16_t *out, int threads) {
+    const int64_t H = w->heads, Hkv = w->kv_heads, D = w->head_dim, qkv_width = (H + 2 * Hkv) * D, group = H / Hkv;
+    if (D > MAX_HEAD_DIM || D % 16) return -2;
+    const int64_t scratch_floats = attend_scratch(span, D);
+    float *scratch = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * (size_t)scratch_floats);
+    int64_t *run_start = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (!scratch || !run_start) {
+        free(scratch);
+        free(run_start);
+        return -1;
+    }
+    /* Attention in jobs of one kv head over a run of consecutive tokens in one cache row, whose
+     * queries (tokens x the kv head's query heads) read the same keys and values (attend_queries
+     * takes them through them together); each run's queries split in `parts` so that every thread
+     * has jobs. */
+    int64_t runs = 0;
+    for (int64_t t = 0; t < n; t++)
+        if (t == 0 || row_of[t] != row_of[t - 1]) run_start[runs++] = t;
+    run_start[runs] = n;
+    const int64_t parts = (threads + runs * Hkv - 1) / (runs * Hkv);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t job = 0; job < runs * Hkv * parts; job++) {
+        const int64_t run = job / (Hkv * parts), kv = job / parts % Hkv, part = job % parts;
+        const int64_t t0 = run_start[run], queries = (run_start[run + 1] - t0) * group;
+        const int64_t base = (row_of[t0] * Hkv + kv) * cache_slots * D;
+        int64_t thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+        attend_queries(qkv + t0 * qkv_width + kv * group * D, qkv_width, group, queries * part / parts,
+                       queries * (part + 1) / parts, keys + base, values + base, D, mask ? mask + t0 * span : NULL,
+                       span, w->attn_scale, w->attn_softcap, scratch + thread * scratch_floats,
+                       out + t0 * H * D + kv * group * D, H * D);
+    }
+    free(scratch);
+    free(run_start);
+    return 0;
+}
 
 /* x [n, hidden] (bf16, updated in place) through one layer. keys / values: this layer's cache,
  * [cache_rows, kv_heads, cache_slots, head_dim]; token t is written at row_of[t], slot_of[t] and
@@ -200,9 +362,8 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
     uint16_t *attn = malloc(sizeof(uint16_t) * n * H * D);
     uint16_t *wide = malloc(sizeof(uint16_t) * n * 2 * inter);
     uint16_t *narrow = malloc(sizeof(uint16_t) * n * (hidden > inter ? hidden : inter));
-    float *scores = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * (size_t)(span + 16));
     int status = -1;
-    if (!normed || !qkv || !attn || !wide || !narrow || !scores) goto done;
+    if (!normed || !qkv || !attn || !wide || !narrow) goto done;
 
     const float offset = w->norm_offset;
     for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->input_norm, hidden, w->eps, offset, normed + t * hidden);
@@ -223,17 +384,7 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
             memcpy(values + at, row + (H + Hkv + h) * D, sizeof(uint16_t) * D);
         }
     }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t job = 0; job < n * H; job++) {
-        const int64_t t = job / H, h = job % H, kv = h / group;
-        const int64_t base = (row_of[t] * Hkv + kv) * cache_slots * D;
-        float *own_scores = scores;
-#ifdef _OPENMP
-        own_scores += (size_t)omp_get_thread_num() * (size_t)(span + 16);
-#endif
-        attend(qkv + t * qkv_width + h * D, keys + base, values + base, D, mask ? mask + t * span : NULL, span,
-               w->attn_scale, w->attn_softcap, own_scores, attn + t * H * D + h * D);
-    }
+    if (saguaro_attention(w, qkv, n, keys, values, cache_slots, row_of, mask, span, attn, threads)) goto done;
     if (saguaro_group_matmul(w->o_bits, w->o, attn, narrow, n, H * D, hidden, 0, threads)) goto done;
     if (w->attn_out_norm)
         for (int64_t t = 0; t < n; t++) rms_norm(narrow + t * hidden, w->attn_out_norm, hidden, w->eps, offset, narrow + t * hidden);
@@ -253,7 +404,6 @@ done:
     free(attn);
     free(wide);
     free(narrow);
-    free(scores);
     return status;
 }
 

@@ -105,6 +105,18 @@ TARGET static void attend(const uint16_t *q, const uint16_t *keys, const uint16_
     for (int64_t l = 0; l < lanes; l++) store_bf16(out + 8 * l, _mm256_div_ps(acc[l], _mm256_set1_ps(total)));
 }
 
+/* decoder_layer.c's attend_queries, one query at a time (scratch: its scores). */
+TARGET static void attend_queries(const uint16_t *q, int64_t q_stride, int64_t heads, int64_t first, int64_t last,
+                                  const uint16_t *keys, const uint16_t *values, int64_t head_dim, const uint8_t *mask,
+                                  int64_t span, float scale, float cap, float *scores, uint16_t *out,
+                                  int64_t out_stride) {
+    for (int64_t i = first; i < last; i++) {
+        const int64_t t = i / heads, h = i % heads;
+        attend(q + t * q_stride + h * head_dim, keys, values, head_dim, mask ? mask + t * span : NULL, span, scale, cap,
+               scores, out + t * out_stride + h * head_dim);
+    }
+}
+
 TARGET static void gated(const uint16_t *gate_up, int64_t inter, int activation, uint16_t *out) {
     for (int64_t i = 0; i < inter; i += 8) {
         const __m256 gate = load_bf16(gate_up + i), up = load_bf16(gate_up + inter + i);
