@@ -24,7 +24,8 @@ from torch import nn
 from saguaro import LLM, SamplingParams
 from saguaro.bench import peers
 from saguaro.datasets import humaneval_prompts, sharegpt_first_turns
-from saguaro.models import hub, native, weight_cache
+from saguaro.models import hub, weight_cache
+from saguaro.models.native import bindings
 from saguaro.models.gguf_file import read_gguf_file
 from saguaro.models.llama import Embedding
 from saguaro.models.packed import PackedLinear
@@ -71,12 +72,12 @@ def gguf_bytes_per_token(path) -> int:
 def load_saguaro(quantization: str, native_kernels: bool) -> LLM:
     if native_kernels:
         return LLM(hub.DEFAULT_MODEL, method="ar", quantization=quantization)
-    available = native.available
-    native.available = lambda: False
+    available = bindings.available
+    bindings.available = lambda: False
     try:
         return LLM(hub.DEFAULT_MODEL, method="ar", quantization=quantization)
     finally:
-        native.available = available
+        bindings.available = available
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from saguaro.models import native
+from saguaro.models.native import bindings, compiler
 from tile_rows import WIDTHS, copies_on, load, random_tiles
 
 LOOP = r"""
@@ -175,13 +175,13 @@ class Model:
                                      in zip((("qkv", qkv, shape.hidden), ("o", shape.hidden, shape.heads * shape.head_dim),
                                              ("gate_up", 2 * shape.intermediate, shape.hidden),
                                              ("down", shape.hidden, shape.intermediate)), projections.values())})
-            layers.append(native.LayerWeights(
+            layers.append(bindings.LayerWeights(
                 hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
                 intermediate=shape.intermediate, eps=1e-5, input_norm=ones.data_ptr(), post_norm=ones.data_ptr(),
                 rope=1, rotary_dim=shape.head_dim, norm_offset=0.0,
                 **{name: tiles.data_ptr() for name, tiles in projections.items()},
                 **{f"{name}_bits": bits for name in projections}))
-        self.layers = (native.LayerWeights * len(layers))(*layers)
+        self.layers = (bindings.LayerWeights * len(layers))(*layers)
         self.head_bits = WIDTHS[KINDS[shape.head_kind]]
         self.head = random_tiles(self.head_bits, shape.vocab, shape.hidden)
         cache_shape = (shape.layers, 1, shape.kv_heads, context + 16, shape.head_dim)
@@ -284,7 +284,7 @@ def product_costs(libraries: dict[str, ctypes.CDLL], model: Model, peaks: dict[s
 def with_layer_calls(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("saguaro_decoder_layers", "saguaro_attention"):
         if hasattr(lib, name):  # an older checkout's kernels may lack saguaro_attention
-            getattr(lib, name).argtypes = getattr(native.library(), name).argtypes
+            getattr(lib, name).argtypes = getattr(bindings.library(), name).argtypes
             getattr(lib, name).restype = ctypes.c_int
     return lib
 
@@ -304,10 +304,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--against", type=Path, help="another folder of the kernels' sources to compare")
     args = parser.parse_args()
-    if native.build() != "avx512":
+    if bindings.build() != "avx512":
         raise SystemExit("this benchmark measures the AVX512-VNNI build")
     what = args.what.split(",")
-    libraries = {"this": with_layer_calls(load(Path(native.__file__).parent))}
+    libraries = {"this": with_layer_calls(load(Path(compiler.__file__).parent))}
     if args.against:
         libraries["against"] = with_layer_calls(load(args.against.resolve()))
     peaks = peak(args.repeats)

@@ -24,7 +24,8 @@ import time
 import torch
 
 from saguaro.engine.runner import forward_chunks
-from saguaro.models import hub, native
+from saguaro.models import hub
+from saguaro.models.native import bindings
 from saguaro.models.kv_cache import new_cache
 from saguaro.models.loader import load_model
 
@@ -57,12 +58,12 @@ def step_profile(model, cache) -> dict[str, float]:
 def load(path, mode: str):
     if mode != "auto-torch":
         return load_model(path, torch.bfloat16, quantization=mode)
-    available = native.available
-    native.available = lambda: False
+    available = bindings.available
+    bindings.available = lambda: False
     try:
         return load_model(path, torch.bfloat16, quantization="auto")
     finally:
-        native.available = available
+        bindings.available = available
 
 
 def cost(args: argparse.Namespace) -> None:

@@ -28,28 +28,29 @@ from pathlib import Path
 
 import torch
 
-from saguaro.models import native, weight_cache
+from saguaro.models import weight_cache
+from saguaro.models.native import bindings, compiler, packing
 
-WIDTHS = {"4": 4, "5": 5, "6": 6, "8": 8, "iq4": native.NL4, "q4_0": native.SYM4, "q4_k": native.K4, "q5_k": native.K5,
-          "q6_k": native.K6, "q3_k": native.K3, "q2_k": native.K2, "bf16": 16}
+WIDTHS = {"4": 4, "5": 5, "6": 6, "8": 8, "iq4": packing.NL4, "q4_0": packing.SYM4, "q4_k": packing.K4, "q5_k": packing.K5,
+          "q6_k": packing.K6, "q3_k": packing.K3, "q2_k": packing.K2, "bf16": 16}
 # where each kind keeps its fp16 parameters (set to 1.0) and its integer sub-scales (set to 1), in a
 # tile or, for the K-quants, in a record of 8 groups
-PARAMS = {4: (256, 320), 5: (320, 384), 6: (416, 448), 8: (512, 544), native.NL4: (256, 288), native.SYM4: (256, 288),
-          native.K4: (0, 64), native.K5: (0, 64), native.K6: (0, 32), native.K3: (0, 32), native.K2: (0, 64), 16: (0, 1024)}
-SUB_SCALES = {6: (384, 416), native.K4: (64, 320), native.K5: (64, 320), native.K6: (32, 288), native.K3: (32, 288), native.K2: (64, 320)}
+PARAMS = {4: (256, 320), 5: (320, 384), 6: (416, 448), 8: (512, 544), packing.NL4: (256, 288), packing.SYM4: (256, 288),
+          packing.K4: (0, 64), packing.K5: (0, 64), packing.K6: (0, 32), packing.K3: (0, 32), packing.K2: (0, 64), 16: (0, 1024)}
+SUB_SCALES = {6: (384, 416), packing.K4: (64, 320), packing.K5: (64, 320), packing.K6: (32, 288), packing.K3: (32, 288), packing.K2: (64, 320)}
 
 
 def load(folder: Path) -> ctypes.CDLL:
-    build, flags = next((name, flags) for name, flags in native.BUILDS if name == native.build())
-    lib = ctypes.CDLL(str(native.library_path(build, flags, folder)))
+    build, flags = next((name, flags) for name, flags in compiler.BUILDS if name == bindings.build())
+    lib = ctypes.CDLL(str(compiler.library_path(build, flags, folder)))
     lib.saguaro_group_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     return lib
 
 
 def random_tiles(bits: int, out_features: int, in_features: int) -> torch.Tensor:
-    groups = 8 if bits in (native.K2, native.K3, native.K4, native.K5, native.K6) else 1  # a record's
-    tile_bytes = native.library().saguaro_tile_bytes(bits) * groups
+    groups = 8 if bits in (packing.K2, packing.K3, packing.K4, packing.K5, packing.K6) else 1  # a record's
+    tile_bytes = bindings.library().saguaro_tile_bytes(bits) * groups
     tiles = torch.randint(0, 256, (out_features // 16, in_features // 32 // groups, tile_bytes), dtype=torch.uint8)
     if bits in SUB_SCALES:
         start, end = SUB_SCALES[bits]
@@ -87,16 +88,16 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="another folder of the kernels' sources to compare")
     parser.add_argument("--pages", default="2m", help="where the tiles lie: 2m, 4k, or both (2m,4k)")
     args = parser.parse_args()
-    if native.build() is None:
+    if bindings.build() is None:
         raise SystemExit("saguaro's kernels do not run on this machine")
-    builds = {"this": load(Path(native.__file__).parent)}
+    builds = {"this": load(Path(compiler.__file__).parent)}
     if args.against:
         builds["against"] = load(args.against.resolve())
     pages = args.pages.split(",")
     libraries = {f"{build}, {page} pages" if len(pages) > 1 else build: (lib, page)
                  for build, lib in builds.items() for page in pages}
     out_features, in_features = map(int, args.shape.split("x"))
-    print(f"build {native.build()}, {args.threads} thread(s); GB/s of tiles read, medians of {args.repeats}")
+    print(f"build {bindings.build()}, {args.threads} thread(s); GB/s of tiles read, medians of {args.repeats}")
     print("| tiles | rows | " + " | ".join(libraries) + " |")
     print("|---|---|" + "---|" * len(libraries))
     for name in args.bits.split(","):

@@ -27,6 +27,7 @@ class Backup(StrEnum):
 
 
 BACKUPS = tuple(b.value for b in Backup)
+FAN_OUTS = ("geometric", "uniform")  # the planned fan-outs SpeculativeConfig.fan_out may name
 
 
 def checked_fan_out(fan_out: list[int], k: int) -> list[int]:
@@ -36,7 +37,6 @@ def checked_fan_out(fan_out: list[int], k: int) -> list[int]:
     if len(fan_out) != k + 1 or min(fan_out) < 0:
         raise ValueError(f"fan_out needs K+1 = {k + 1} counts >= 0, got {fan_out}")
     return fan_out
-FAN_OUTS = ("geometric", "uniform")
 
 
 def _option(default, help: str, *flags: str, group: str = "speculation", described: str | None = None,

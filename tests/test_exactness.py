@@ -20,9 +20,9 @@ import saguaro.engine.sampler as sampler
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.verify import verify, verify_greedy
-from saguaro.models import native
+from saguaro.models.native import bindings, layers
 from saguaro.models.config import ModelConfig
-from saguaro.models.llama import LlamaModel
+from saguaro.models.llama import Execution, LlamaModel
 from saguaro.models.quantized import quantized_linear
 from saguaro.speculation.local import drafters
 from stats import MisreportedProposal, ks_pvalue, randomized_pit, reference_warp, teacher_forced_pit
@@ -216,8 +216,8 @@ def int4_pair() -> tuple[LlamaModel, LlamaModel]:
     for name, module in list(target.named_modules()):
         if name.endswith("_proj"):
             target.set_submodule(name, quantized_linear(module.weight, None, "int4", torch.bfloat16))
-    native.attach(target)
-    assert (target.native_layers is not None) == native.available()
+    target.use(Execution(native_layers=layers.native_layers(target)))
+    assert (target.native_layers is not None) == bindings.available()
     dense.lm_head.weight.mul_(1.5)
     return target, dense
 

@@ -1,5 +1,6 @@
 """The package's layers only point down: no module imports from a layer above its own, and no
-two packages import each other (docs/DESIGN.md, "Layout")."""
+two packages import each other (docs/DESIGN.md, "Layout"); and nothing in saguaro.models sets
+another object's state from outside it."""
 from __future__ import annotations
 
 import ast
@@ -139,3 +140,49 @@ def test_the_draft_worker_process_loads_nothing_of_the_engine_side():
 def test_the_worker_check_sees_the_engine_side():
     """Control: the engine's SSD client is engine-side, and so is what it imports."""
     assert "saguaro.speculation.remote.client" in engine_side_modules_loaded_by("saguaro.speculation.remote.client")
+
+
+# Where saguaro.models sets another object's attributes on purpose: (file, the attribute set).
+OWN_PARTS = {
+    ("native/bindings.py", "argtypes"), ("native/bindings.py", "restype"),  # ctypes' way to declare a C signature
+    ("tensor_parallel.py", "_timeout"), ("tensor_parallel.py", "_devices"),  # torch's option structs take
+    ("tensor_parallel.py", "rootRank"),  # no constructor arguments
+    ("graphs.py", "hidden"), ("graphs.py", "graph"),  # StepGraphs' own record of a captured pass
+    ("prefix_cache.py", "queries"), ("prefix_cache.py", "query_tokens"), ("prefix_cache.py", "hit_tokens"),
+    ("prefix_cache.py", "evicted_blocks"),  # PrefixCache's own counters
+    ("llama.py", "weight"),  # LlamaModel.tie_weights: its head shares its embedding table
+}
+
+
+def foreign_assignments(folder: Path) -> set[tuple[str, str]]:
+    """(file, attribute) of each assignment to an attribute of anything but `self` itself (so
+    `model.x = ...` and `self.part.x = ...` count), and of each setattr on anything but self."""
+    found = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                targets = [t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple)
+                                                                   else [target])]
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                    and ast.unparse(node.args[0]) != "self":
+                targets = [ast.Attribute(node.args[0], ast.unparse(node.args[1]))]
+            else:
+                continue
+            found |= {(path.relative_to(folder).as_posix(), t.attr) for t in targets if isinstance(t, ast.Attribute)
+                      and not (isinstance(t.value, ast.Name) and t.value.id == "self")}
+    return found
+
+
+def test_models_set_no_other_objects_state():
+    """A model's running state (quantization, native layers, tensor parallelism, captured passes,
+    batch invariance) is handed to it whole by LlamaModel.use; nothing in saguaro.models sets
+    another object's attributes but the parts listed in OWN_PARTS."""
+    assert foreign_assignments(PACKAGE / "models") - OWN_PARTS == set()
+
+
+def test_the_state_check_sees_an_outside_assignment(tmp_path):
+    """Control: a loader that sets its model's native layers from outside is caught."""
+    (tmp_path / "loader.py").write_text("def load(model, layers):\n    model.native_layers = layers\n")
+    assert foreign_assignments(tmp_path) == {("loader.py", "native_layers")}

@@ -15,13 +15,14 @@ import pytest
 import torch
 import transformers
 
-from saguaro.models import checkpoint, gguf_blocks, gguf_weights, loader, native, pairing
+from saguaro.models import checkpoint, gguf_blocks, gguf_weights, loader, pairing
+from saguaro.models.native import bindings, packing
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.quantized import (FILE_FLOATS, GROUP, FileBlocks, GroupInt4, GroupInt6, GroupInt8, GroupLinear,
                                       Int4Linear, StackedCodes, native_tiles)
 from test_gguf import gguf_tensors, write_gguf
 
-pytestmark = pytest.mark.skipif(not native.available(),
+pytestmark = pytest.mark.skipif(not bindings.available(),
                                 reason="saguaro's CPU kernels do not run here (no C compiler, or neither AVX512-VNNI nor AVX2)")
 
 
@@ -33,7 +34,7 @@ def random_weights(out_features: int, in_features: int, bits: int, seed: int = 0
     gen = torch.Generator().manual_seed(seed)
     groups = in_features // GROUP
     scales = fp16_exact(torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3)
-    if bits == native.SYM4:  # Q4_0: w = (code - 8) * scale
+    if bits == packing.SYM4:  # Q4_0: w = (code - 8) * scale
         return torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8), scales, -8 * scales
     if bits in (4, 5):
         codes = torch.randint(0, 2 ** bits, (out_features, in_features), generator=gen, dtype=torch.uint8)
@@ -69,25 +70,25 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def pack(bits, codes, scales, lows):
-    if bits == native.SYM4:  # the 4-bit record without its lows
-        return native.pack4(codes, scales, lows)[..., :native.TILE_BYTES[native.SYM4]].contiguous()
-    return {4: native.pack4, 5: native.pack5}[bits](codes, scales, lows) if lows is not None else \
-        native.pack8(codes, scales)
+    if bits == packing.SYM4:  # the 4-bit record without its lows
+        return packing.pack4(codes, scales, lows)[..., :packing.TILE_BYTES[packing.SYM4]].contiguous()
+    return {4: packing.pack4, 5: packing.pack5}[bits](codes, scales, lows) if lows is not None else \
+        packing.pack8(codes, scales)
 
 
-@pytest.mark.parametrize("bits", [4, native.SYM4, 5, 8])
+@pytest.mark.parametrize("bits", [4, packing.SYM4, 5, 8])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (16, 32), (48, 2816)], ids=str)  # 2816: chunks of 64 + 24 groups
 def test_group_products_compute_the_documented_arithmetic(bits, shape):
     codes, scales, lows = random_weights(*shape, bits)
     x = torch.randn(7, shape[1]).bfloat16()
     x[3] = 0  # a zero row: every group's scale is zero
-    out = native.group_matmul(bits, pack(bits, codes, scales, lows), x, shape[0], torch.float32)
+    out = bindings.group_matmul(bits, pack(bits, codes, scales, lows), x, shape[0], torch.float32)
     assert relative_error(out, kernel_arithmetic(x, codes, scales, lows)) < 1e-5  # fp32 sums
     # Against the unrounded activations: 8-bit activations cost about half a percent.
     assert 1e-4 < relative_error(out, x.double() @ dequantized(codes, scales, lows).T) < 3e-2
     # Control: the tiles in another order (the two halves of a group swapped) are caught.
     swapped = codes.reshape(shape[0], -1, 2, GROUP // 2).flip(2).reshape(shape)
-    wrong = native.group_matmul(bits, pack(bits, swapped, scales, lows), x, shape[0], torch.float32)
+    wrong = bindings.group_matmul(bits, pack(bits, swapped, scales, lows), x, shape[0], torch.float32)
     assert relative_error(wrong, kernel_arithmetic(x, codes, scales, lows)) > 0.1
 
 
@@ -96,25 +97,25 @@ def record_tiles(kind: gguf.GGMLQuantizationType, out_features: int, in_features
     from test_quantized import random_blocks
 
     blocks = random_blocks(kind, out_features, in_features, np.random.default_rng(0)).reshape(out_features, -1)
-    return native.repack(kind, blocks, (out_features, in_features))
+    return packing.repack(kind, blocks, (out_features, in_features))
 
 
-@pytest.mark.parametrize("bits", [4, native.SYM4, 5, 6, 8, 16, native.K2, native.K3, native.K4, native.K5, native.K6])
+@pytest.mark.parametrize("bits", [4, packing.SYM4, 5, 6, 8, 16, packing.K2, packing.K3, packing.K4, packing.K5, packing.K6])
 def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(bits):
-    if bits == 16 and not native.bf16_available():
+    if bits == 16 and not bindings.bf16_available():
         pytest.skip("no bf16 kernel on this CPU")
-    records = {native.K2: gguf.GGMLQuantizationType.Q2_K, native.K3: gguf.GGMLQuantizationType.Q3_K, native.K4: gguf.GGMLQuantizationType.Q4_K,
-               native.K5: gguf.GGMLQuantizationType.Q5_K, native.K6: gguf.GGMLQuantizationType.Q6_K}
-    tiles = native_tiles(random_q6(960, 768))[1] if bits == 6 else native.pack16(torch.randn(960, 768)) if bits == 16 \
+    records = {packing.K2: gguf.GGMLQuantizationType.Q2_K, packing.K3: gguf.GGMLQuantizationType.Q3_K, packing.K4: gguf.GGMLQuantizationType.Q4_K,
+               packing.K5: gguf.GGMLQuantizationType.Q5_K, packing.K6: gguf.GGMLQuantizationType.Q6_K}
+    tiles = native_tiles(random_q6(960, 768))[1] if bits == 6 else packing.pack16(torch.randn(960, 768)) if bits == 16 \
         else record_tiles(records[bits], 960, 768) if bits in records else pack(bits, *random_weights(960, 768, bits))
     x = torch.randn(300, 768).bfloat16()
-    alone = torch.cat([native.group_matmul(bits, tiles, x[i:i + 1], 960) for i in range(len(x))])
+    alone = torch.cat([bindings.group_matmul(bits, tiles, x[i:i + 1], 960) for i in range(len(x))])
     for rows in (2, 3, 4, 5, 6, 7, 9, 16, 33, 300):
-        assert torch.equal(native.group_matmul(bits, tiles, x[:rows], 960), alone[:rows]), f"{rows} rows"
+        assert torch.equal(bindings.group_matmul(bits, tiles, x[:rows], 960), alone[:rows]), f"{rows} rows"
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert torch.equal(native.group_matmul(bits, tiles, x, 960), alone)
+        assert torch.equal(bindings.group_matmul(bits, tiles, x, 960), alone)
     finally:
         torch.set_num_threads(threads)
 
@@ -129,12 +130,12 @@ def test_records_over_many_chunks_of_inputs_compute_the_file_weights_products(ki
 
     shape = (48, 2816)
     blocks = random_blocks(kind, *shape, np.random.default_rng(1)).reshape(shape[0], -1)
-    tiles = native.repack(kind, blocks, shape)
-    weights = native.dequantize_rows(kind, blocks, shape).double()
+    tiles = packing.repack(kind, blocks, shape)
+    weights = packing.dequantize_rows(kind, blocks, shape).double()
     x = torch.randn(5, shape[1]).bfloat16()
-    out = native.group_matmul(native.type_bits(kind), tiles, x, shape[0], torch.float32)
+    out = bindings.group_matmul(packing.type_bits(kind), tiles, x, shape[0], torch.float32)
     assert relative_error(out, x.double() @ weights.T) < 3e-2  # the activations' 8-bit rounding
-    alone = torch.cat([native.group_matmul(native.type_bits(kind), tiles, row[None], shape[0], torch.float32) for row in x])
+    alone = torch.cat([bindings.group_matmul(packing.type_bits(kind), tiles, row[None], shape[0], torch.float32) for row in x])
     assert torch.equal(out, alone)
 
 
@@ -143,10 +144,10 @@ def test_tiles_in_column_order_are_not_read_as_chunks():
     layout before chunks) give other products."""
     codes, scales, lows = random_weights(48, 2816, 4)
     x = torch.randn(3, 2816).bfloat16()
-    by_column = native._tiles4(codes, scales, lows).reshape(-1, native.TILE_BYTES[4]).contiguous()
+    by_column = packing._tiles4(codes, scales, lows).reshape(-1, packing.TILE_BYTES[4]).contiguous()
     reference = kernel_arithmetic(x, codes, scales, lows)
-    assert relative_error(native.group_matmul(4, native.pack4(codes, scales, lows), x, 48, torch.float32), reference) < 1e-5
-    assert relative_error(native.group_matmul(4, by_column, x, 48, torch.float32), reference) > 0.1
+    assert relative_error(bindings.group_matmul(4, packing.pack4(codes, scales, lows), x, 48, torch.float32), reference) < 1e-5
+    assert relative_error(bindings.group_matmul(4, by_column, x, 48, torch.float32), reference) > 0.1
 
 
 def random_q6(out_features: int, in_features: int, seed: int = 0) -> GroupInt6:
@@ -177,54 +178,54 @@ def test_q6_products_compute_the_documented_arithmetic(shape):
     x = torch.randn(7, shape[1]).bfloat16()
     x[3] = 0
     bits, tiles = native_tiles(weights)
-    out = native.group_matmul(bits, tiles, x, shape[0], torch.float32)
+    out = bindings.group_matmul(bits, tiles, x, shape[0], torch.float32)
     reference = q6_arithmetic(x, weights)
     assert relative_error(out, reference) < 1e-5
     assert 1e-4 < relative_error(out, x.double() @ weights.dequantize().double().T) < 3e-2
     # Control: each half group's sub-scale applied to the other half is caught.
     swapped = GroupInt6(weights.codes, weights.scales, weights.sub_scales.reshape(shape[0], -1, 2).flip(2)
                         .reshape(weights.sub_scales.shape))
-    wrong = native.group_matmul(bits, native_tiles(swapped)[1], x, shape[0], torch.float32)
+    wrong = bindings.group_matmul(bits, native_tiles(swapped)[1], x, shape[0], torch.float32)
     assert relative_error(wrong, reference) > 0.1
 
 
-@pytest.mark.skipif(not native.bf16_available(), reason="no bf16 kernel on this CPU")
+@pytest.mark.skipif(not bindings.bf16_available(), reason="no bf16 kernel on this CPU")
 @pytest.mark.parametrize("shape", [(960, 576), (16, 32)], ids=str)
 def test_bf16_products_sum_the_exact_pair_products(shape):
     """bf16 x bf16 products are exact in fp32; only the fp32 sums round."""
     weight = (torch.randn(*shape) * 0.05).bfloat16()
     x = torch.randn(5, shape[1]).bfloat16()
     bits, tiles = native_tiles(weight)
-    out = native.group_matmul(bits, tiles, x, shape[0], torch.float32)
+    out = bindings.group_matmul(bits, tiles, x, shape[0], torch.float32)
     reference = x.double() @ weight.double().T
     assert bits == 16 and relative_error(out, reference) < 1e-5
     # Control: the pairs of each chunk swapped are caught.
     swapped = weight.reshape(shape[0], -1, 2).flip(2).reshape(shape)
-    assert relative_error(native.group_matmul(16, native_tiles(swapped)[1], x, shape[0], torch.float32), reference) > 0.1
+    assert relative_error(bindings.group_matmul(16, native_tiles(swapped)[1], x, shape[0], torch.float32), reference) > 0.1
 
 
 OTHER_BUILD = """
 import sys, torch
-from saguaro.models import native
+from saguaro.models.native import bindings
 tiles, x, out_features = torch.load(sys.argv[1])
-out = [native.group_matmul(bits, t, x[:rows], out_features, torch.float32)
+out = [bindings.group_matmul(bits, t, x[:rows], out_features, torch.float32)
        for bits, t in tiles.items() for rows in (1, 5)]
-torch.save((native.build(), out), sys.argv[2])
+torch.save((bindings.build(), out), sys.argv[2])
 """
 
 
-@pytest.mark.skipif(native.build() != "avx512", reason="the AVX2 build is compared where the AVX-512 one runs")
+@pytest.mark.skipif(bindings.build() != "avx512", reason="the AVX2 build is compared where the AVX-512 one runs")
 def test_the_avx2_build_computes_what_the_avx512_build_computes(tmp_path):
     """The two builds agree bit for bit on every integer kind (group_matmul_avx2.h says why), and
     the AVX2 build passes the arithmetic tests with their controls."""
     codes, scales, lows = random_weights(960, 768, 4)
-    four = native.pack4(codes, scales, lows)
-    tiles = {4: four, native.SYM4: four[..., :288].contiguous(), native.NL4: four[..., :288].contiguous(),
+    four = packing.pack4(codes, scales, lows)
+    tiles = {4: four, packing.SYM4: four[..., :288].contiguous(), packing.NL4: four[..., :288].contiguous(),
              5: pack(5, *random_weights(960, 768, 5)), 6: native_tiles(random_q6(960, 768))[1],
              8: pack(8, *random_weights(960, 768, 8))}
     for kind in (gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K, gguf.GGMLQuantizationType.Q4_K,
                  gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K):  # records of whole blocks
-        tiles[native.type_bits(kind)] = record_tiles(kind, 960, 768)
+        tiles[packing.type_bits(kind)] = record_tiles(kind, 960, 768)
     x = torch.randn(5, 768).bfloat16()
     torch.save((tiles, x, 960), tmp_path / "in.pt")
     env = dict(os.environ, SAGUARO_NATIVE_BUILD="avx2")
@@ -232,7 +233,7 @@ def test_the_avx2_build_computes_what_the_avx512_build_computes(tmp_path):
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     build, theirs = torch.load(tmp_path / "out.pt")
-    ours = [native.group_matmul(bits, t, x[:rows], 960, torch.float32) for bits, t in tiles.items() for rows in (1, 5)]
+    ours = [bindings.group_matmul(bits, t, x[:rows], 960, torch.float32) for bits, t in tiles.items() for rows in (1, 5)]
     assert build == "avx2" and all(torch.equal(a, b) for a, b in zip(theirs, ours))
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k",
                              "documented_arithmetic or rows_result or sums_the_exact"], env=env, capture_output=True,
@@ -246,12 +247,12 @@ def test_stacked_parts_compute_each_parts_product():
     int8_codes, int8_scales, _ = random_weights(32, 512, 8, seed=2)
     parts = [GroupInt4(codes, scales, lows), random_q6(48, 512, seed=1), GroupInt8(int8_codes, int8_scales)]
     x = torch.randn(5, 512).bfloat16()
-    alone = torch.cat([native.group_matmul(*native_tiles(p), x, p.shape[0], torch.float32) for p in parts], dim=1)
+    alone = torch.cat([bindings.group_matmul(*native_tiles(p), x, p.shape[0], torch.float32) for p in parts], dim=1)
     bits, tiles = native_tiles(StackedCodes(parts))
-    assert bits == 0 and torch.equal(native.group_matmul(bits, tiles, x, 144, torch.float32), alone)
+    assert bits == 0 and torch.equal(bindings.group_matmul(bits, tiles, x, 144, torch.float32), alone)
     # Control: the same parts in another order give other outputs.
     _, reordered = native_tiles(StackedCodes(parts[::-1]))
-    assert not torch.equal(native.group_matmul(0, reordered, x, 144, torch.float32), alone)
+    assert not torch.equal(bindings.group_matmul(0, reordered, x, 144, torch.float32), alone)
 
 
 SIZE = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -278,7 +279,7 @@ def tiny_gguf(request, tmp_path_factory):
 
 def load(path, monkeypatch=None, native_on: bool = True):
     if not native_on:
-        monkeypatch.setattr(native, "available", lambda: False)
+        monkeypatch.setattr(bindings, "available", lambda: False)
     model = loader.load_model(path, torch.bfloat16)
     if not native_on:
         monkeypatch.undo()
@@ -352,7 +353,7 @@ def test_without_a_compiler_saguaro_warns_and_runs_torchs_kernels(tiny_gguf, tmp
     assert "native True" in result.stdout, result.stderr
 
 
-@pytest.mark.skipif(not native.bf16_available(), reason="bf16 tiles need AVX512-BF16")
+@pytest.mark.skipif(not bindings.bf16_available(), reason="bf16 tiles need AVX512-BF16")
 @pytest.mark.parametrize("kind", ["BF16", "F16", "F32"])
 def test_a_float_files_projections_are_tiled_straight_from_the_map(kind, tmp_path, monkeypatch):
     """A float GGUF's projections, head and embedding stay in the mapped file until tiled (no fp32
@@ -467,7 +468,7 @@ def test_each_architecture_runs_its_layers_on_the_kernels(case, tmp_path):
         else:  # ... that the norms scale by their weights alone
             for w in weights:
                 w.norm_offset = 0.0
-        model.native_layers.all_weights = (native.LayerWeights * len(weights))(*weights)
+        model.native_layers.all_weights = (bindings.LayerWeights * len(weights))(*weights)
     reference = saguaro_logits(loader.load_model(path, torch.float32), TOKENS)
     # Rope in SmolLM3's one rope-less layer of four moves these tiny logits by about 5%: a
     # tighter bound tells the two apart (measured: 0.026 right, 0.051 with rope everywhere).

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from saguaro.models import native
+from saguaro.models.native import bindings
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels are not available here")
+pytestmark = pytest.mark.skipif(not bindings.available(), reason="saguaro's CPU kernels are not available here")
 
 # (query heads, kv heads, head size): SmolLM2-135M's, its 1.7B-cost twin's (issue 53), and a
 # head of 128 with groups of 4
@@ -71,12 +71,12 @@ def kernel(a: Attention, threads: int = 1) -> torch.Tensor:
     kv_heads = a.keys.shape[1]
     qkv = torch.zeros(n, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
     qkv[:, :heads * head_dim] = a.q.reshape(n, -1)
-    weights = native.LayerWeights(heads=heads, kv_heads=kv_heads, head_dim=head_dim, attn_scale=a.scale,
+    weights = bindings.LayerWeights(heads=heads, kv_heads=kv_heads, head_dim=head_dim, attn_scale=a.scale,
                                   attn_softcap=a.cap)
     mask = None if a.mask is None else a.mask.to(torch.uint8).contiguous()
     row_of = a.row_of.to(torch.int64).contiguous()
     out = torch.empty(n, heads, head_dim, dtype=torch.bfloat16)
-    status = native.library().saguaro_attention(
+    status = bindings.library().saguaro_attention(
         ctypes.byref(weights), qkv.data_ptr(), n, a.keys.contiguous().data_ptr(), a.values.contiguous().data_ptr(),
         a.span, row_of.data_ptr(), None if mask is None else mask.data_ptr(), a.span, out.data_ptr(), threads)
     assert status == 0

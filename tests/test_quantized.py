@@ -10,7 +10,8 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 
-from saguaro.models import build, gguf_blocks, gguf_config, loader, native
+from saguaro.models import build, gguf_blocks, gguf_config, loader
+from saguaro.models.native import bindings, packing
 from saguaro.models.quantized import (GROUP, GroupInt4, GroupInt6, GroupLinear, Int4Linear, Int8Linear, check_mode,
                                       native_tiles)
 from test_gguf import gguf_tensors, max_diff, saguaro_logits, write_gguf
@@ -32,10 +33,10 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
 
 def int4_linear(weights: GroupInt4, kernel: str, monkeypatch) -> Int4Linear:
     """An Int4Linear on saguaro's kernel (where it runs) or on torch's."""
-    if kernel == "saguaro" and not native.available():
+    if kernel == "saguaro" and not bindings.available():
         pytest.skip("saguaro's CPU kernels do not run here")
     if kernel == "torch":
-        monkeypatch.setattr(native, "available", lambda: False)
+        monkeypatch.setattr(bindings, "available", lambda: False)
     layer = Int4Linear(weights, None, torch.bfloat16)
     monkeypatch.undo()
     assert layer.native == (kernel == "saguaro")
@@ -107,8 +108,8 @@ KQUANT_SIZE = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hi
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-NATIVE_BITS = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: native.K5, Q.Q6_K: native.K6,  # types only saguaro's kernels run undequantized
-               Q.Q2_K: native.K2, Q.Q3_K: native.K3, Q.IQ4_NL: native.NL4, Q.IQ4_XS: native.NL4}
+NATIVE_BITS = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: packing.K5, Q.Q6_K: packing.K6,  # types only saguaro's kernels run undequantized
+               Q.Q2_K: packing.K2, Q.Q3_K: packing.K3, Q.IQ4_NL: packing.NL4, Q.IQ4_XS: packing.NL4}
 K_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)  # gguf-py cannot quantize to these
 DECODED_TYPES = INT4_TYPES + (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)  # gguf_groups decodes these to codes (numpy)
 RECORD_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # in records of a 256-input block, which no Python packer writes
@@ -226,7 +227,7 @@ def test_4_5_and_6_bit_blocks_run_with_their_own_codes(files):
     model = loader.load_model(file, torch.bfloat16)
     projections = [m for name, m in model.named_modules() if name.endswith("_proj")]
     assert all(isinstance(m, Int4Linear) for m in projections) == (kind in INT4_TYPES)
-    native_bits = native.available() and kind in NATIVE_BITS
+    native_bits = bindings.available() and kind in NATIVE_BITS
     # (fused projections read their parts from the file's blocks: bits 0, a stack of parts)
     assert all(isinstance(m, GroupLinear) and m.bits in (0, NATIVE_BITS.get(kind)) for m in projections) == native_bits
     if kind in INT4_TYPES or native_bits:
@@ -251,14 +252,14 @@ def q4_k_m_files(source, folder, seed: int = 0) -> tuple:
             write_gguf(folder / f"f32-{seed}.gguf", source, "llama", "tiny", tensors=dequantized))
 
 
-@pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+@pytest.mark.skipif(not bindings.available(), reason="saguaro's CPU kernels do not run here")
 def test_a_q4_k_m_file_runs_entirely_on_saguaros_kernels(source, tmp_path):
     """v in Q6_K beside q and k in Q4_K: one stacked qkv; down and the head in Q6_K."""
     file, reference = q4_k_m_files(source, tmp_path)
     model = loader.load_model(file, torch.bfloat16)
     assert model.native_layers is not None
-    assert model.layers[0].self_attn.qkv_proj.bits == 0 and model.layers[0].mlp.down_proj.bits == native.K6
-    assert isinstance(model.lm_head, GroupLinear) and model.lm_head.bits == native.K6
+    assert model.layers[0].self_attn.qkv_proj.bits == 0 and model.layers[0].mlp.down_proj.bits == packing.K6
+    assert isinstance(model.lm_head, GroupLinear) and model.lm_head.bits == packing.K6
     expected = saguaro_logits(loader.load_model(reference), TOKENS)
     tolerance = 0.02 * expected.abs().max()
     assert max_diff(saguaro_logits(model, TOKENS), expected) < tolerance
@@ -267,13 +268,13 @@ def test_a_q4_k_m_file_runs_entirely_on_saguaros_kernels(source, tmp_path):
     assert max_diff(other, expected) > tolerance
 
 
-@pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+@pytest.mark.skipif(not bindings.available(), reason="saguaro's CPU kernels do not run here")
 @pytest.mark.parametrize("kind", ["Q4_K_M", "Q4_0", "Q5_K", "Q3_K", "Q2_K", "BF16"])
 def test_greedy_sd_and_ssd_equal_ar_on_a_quantized_file(kind, source, tmp_path):
     """Batch invariance on the kernels' kinds (Q4_K_M: Q4_K's and Q6_K's block records; Q4_0:
     its own tiles; Q5_K, Q3_K, Q2_K: their records; BF16: bf16 tiles from the map): K + 1 = 4
     tokens verified in one pass give AR's."""
-    if kind == "BF16" and not native.bf16_available():
+    if kind == "BF16" and not bindings.bf16_available():
         pytest.skip("bf16 tiles need AVX512-BF16")
     from drafts import InProcessDraft, sd_decoder, ssd_decoder, worker_config
     from saguaro import SamplingParams
@@ -284,7 +285,7 @@ def test_greedy_sd_and_ssd_equal_ar_on_a_quantized_file(kind, source, tmp_path):
         write_gguf(tmp_path / f"{kind}.gguf", source, "llama", "tiny", tensors=projection_blocks(source, Q[kind]))
     target = loader.load_model(target_file, torch.bfloat16)
     assert {m.bits for name, m in target.named_modules() if name.endswith("_proj")} <= \
-        ({0, native.K4, native.K6} if kind == "Q4_K_M" else {0, 16} if kind == "BF16" else {0, native.type_bits(Q[kind])})
+        ({0, packing.K4, packing.K6} if kind == "Q4_K_M" else {0, 16} if kind == "BF16" else {0, packing.type_bits(Q[kind])})
     draft_file = q4_k_m_files(source, tmp_path, seed=1)[0]
     draft = loader.load_model(draft_file, torch.bfloat16)
 
@@ -302,7 +303,7 @@ def test_greedy_sd_and_ssd_equal_ar_on_a_quantized_file(kind, source, tmp_path):
     assert greedy(ssd_decoder(target, client, "neural")) == reference
 
 
-@pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+@pytest.mark.skipif(not bindings.available(), reason="saguaro's CPU kernels do not run here")
 @pytest.mark.parametrize("kind", [k for k in DECODED_TYPES + (Q.Q8_0,) if k not in RECORD_TYPES],
                          ids=lambda kind: kind.name)
 def test_tiles_repacked_from_the_file_are_those_of_the_decoded_codes(kind, source, tmp_path):
@@ -312,7 +313,7 @@ def test_tiles_repacked_from_the_file_are_those_of_the_decoded_codes(kind, sourc
     file = write_gguf(tmp_path / "q.gguf", source, "llama", "tiny", tensors=projection_blocks(source, kind))
     tensor = next(t for t in gguf.GGUFReader(str(file)).tensors if t.tensor_type == kind)
     blocks, groups = gguf_blocks.file_blocks(tensor), gguf_blocks.gguf_groups(tensor)
-    tile_bytes = native.TILE_BYTES[blocks.bits]  # Q4_0's record: the 4-bit one's without its lows
+    tile_bytes = packing.TILE_BYTES[blocks.bits]  # Q4_0's record: the 4-bit one's without its lows
     assert torch.equal(blocks.tiles(), native_tiles(groups)[1][..., :tile_bytes])
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
     assert torch.equal(blocks.rows(order).tiles(), native_tiles(groups.rows(order))[1][..., :tile_bytes])
@@ -323,7 +324,7 @@ def test_tiles_repacked_from_the_file_are_those_of_the_decoded_codes(kind, sourc
     assert not torch.equal(blocks.tiles(), native_tiles(groups.rows(order))[1][..., :tile_bytes])
 
 
-@pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+@pytest.mark.skipif(not bindings.available(), reason="saguaro's CPU kernels do not run here")
 @pytest.mark.parametrize("kind", RECORD_TYPES, ids=lambda kind: kind.name)
 def test_k_quant_records_multiply_as_the_documented_arithmetic_of_their_codes(kind, source, tmp_path):
     """Q2_K to Q6_K in records of a whole block (their scales held once, as the file holds
@@ -352,17 +353,17 @@ def test_k_quant_records_multiply_as_the_documented_arithmetic_of_their_codes(ki
 
     for reordered, weights in ((False, blocks), (True, blocks.rows(order))):
         bits, tiles = native_tiles(weights)
-        assert bits == native.type_bits(kind)  # the file's density: 16 outputs x 32 inputs in TILE_BYTES
-        assert tiles.numel() == weights.shape[0] // 16 * (weights.shape[1] // 32) * native.TILE_BYTES[bits]
-        out = native.group_matmul(bits, tiles, x, weights.shape[0], torch.float32)
+        assert bits == packing.type_bits(kind)  # the file's density: 16 outputs x 32 inputs in TILE_BYTES
+        assert tiles.numel() == weights.shape[0] // 16 * (weights.shape[1] // 32) * packing.TILE_BYTES[bits]
+        out = bindings.group_matmul(bits, tiles, x, weights.shape[0], torch.float32)
         assert relative_error(out, products[reordered]) < 1e-5
     torch.testing.assert_close(blocks.dequantize(), expected, rtol=1e-6, atol=0)
     # Control: the file's rows against the reordered codes are other products.
-    out = native.group_matmul(bits, blocks.tiles(), x, blocks.shape[0], torch.float32)
+    out = bindings.group_matmul(bits, blocks.tiles(), x, blocks.shape[0], torch.float32)
     assert relative_error(out, products[True]) > 0.1
 
 
-@pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+@pytest.mark.skipif(not bindings.available(), reason="saguaro's CPU kernels do not run here")
 def test_parts_of_a_projection_in_blocks_and_in_plain_weights_stack_dequantized(source, tmp_path):
     """A fused projection whose parts are blocks the kernels read and weights they do not (a
     type without kernels beside K-quants, as once Q2_K's q beside Q3_K's v) loads dequantized."""
@@ -372,7 +373,7 @@ def test_parts_of_a_projection_in_blocks_and_in_plain_weights_stack_dequantized(
     assert torch.equal(build._cat([blocks, plain]), torch.cat([blocks.dequantize(), plain]))
 
 
-@pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+@pytest.mark.skipif(not bindings.available(), reason="saguaro's CPU kernels do not run here")
 @pytest.mark.parametrize("kind", [Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS], ids=lambda kind: kind.name)
 def test_blocks_only_repack_decodes_multiply_as_their_dequantized_weights(kind, source, tmp_path):
     """Q3_K (its codes in two planes) and IQ4 (codes indexing a table of non-linear values): repack.c
@@ -385,11 +386,11 @@ def test_blocks_only_repack_decodes_multiply_as_their_dequantized_weights(kind, 
     torch.testing.assert_close(blocks.dequantize(), expected, rtol=1e-6, atol=0)
     x = torch.randn(5, blocks.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
     bits, tiles = native_tiles(blocks)
-    out = native.group_matmul(bits, tiles, x, blocks.shape[0], torch.float32)
+    out = bindings.group_matmul(bits, tiles, x, blocks.shape[0], torch.float32)
     assert bits == NATIVE_BITS[kind] and 1e-4 < relative_error(out, x.double() @ expected.double().T) < 3e-2
     # Control: the rows in another order are other products.
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
-    wrong = native.group_matmul(bits, blocks.rows(order).tiles(), x, blocks.shape[0], torch.float32)
+    wrong = bindings.group_matmul(bits, blocks.rows(order).tiles(), x, blocks.shape[0], torch.float32)
     assert relative_error(wrong, x.double() @ expected.double().T) > 0.1
 
 

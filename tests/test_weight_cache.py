@@ -10,11 +10,12 @@ import pytest
 import torch
 import transformers
 
-from saguaro.models import loader, native, weight_cache
+from saguaro.models import loader, weight_cache
+from saguaro.models.native import bindings
 from test_gguf import saguaro_logits
 from test_quantized import KQUANT_SIZE, TOKENS, q4_k_m_files
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="saguaro's CPU kernels do not run here")
+pytestmark = pytest.mark.skipif(not bindings.available(), reason="saguaro's CPU kernels do not run here")
 
 
 @pytest.fixture(scope="module")

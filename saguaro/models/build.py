@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from saguaro.models import native
+from saguaro.models.native import bindings, layers
 from saguaro.models.config import ModelConfig
-from saguaro.models.llama import LlamaModel
+from saguaro.models.llama import Execution, LlamaModel
 from saguaro.models.packed import pack_linears
 from saguaro.models.quantized import (FileBlocks, GroupCodes, GroupInt4, GroupInt5, GroupInt6, GroupInt8, StackedCodes,
                                       check_mode, quantized_linear)
@@ -55,7 +55,7 @@ def native_head(weight) -> bool:
     """Codes of 5 to 8 bits, or bf16 where the kernels take it: a head saguaro's kernels
     run with fp32 logits (a 4-bit head is dequantized)."""
     if isinstance(weight, torch.Tensor):
-        return native.bf16_available()
+        return bindings.bf16_available()
     return isinstance(weight, (GroupInt5, GroupInt6, GroupInt8)) or isinstance(weight, FileBlocks) and weight.bits > 4
 
 
@@ -85,23 +85,15 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCod
             del state[name]
             state.pop(f"{module}.bias", None)
     state = {k: plain_weights(v, dtype) for k, v in state.items()}
-    with torch.device("meta"):
-        model = LlamaModel(config)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if unexpected or set(missing) - {f"{m}.{kind}" for m in quantized for kind in ("weight", "bias")}:
-        raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
-    for module, layer in quantized.items():
-        model.set_submodule(module, layer)
-    if config.tie_word_embeddings and "lm_head" not in quantized:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.reset_rope()
-    model.quantization = mode
-    return frozen(model.to(device))
+    model = LlamaModel.with_weights(config, state, quantized).to(device)
+    return frozen(model, mode)
 
 
-def frozen(model: LlamaModel) -> LlamaModel:
-    """An inference model: eval mode, no gradients, CPU weights in oneDNN's layout."""
+def frozen(model: LlamaModel, quantization: str | None) -> LlamaModel:
+    """An inference model: eval mode, no gradients, CPU weights in oneDNN's layout, its layers
+    run by saguaro's kernels where they take them; `quantization`: the mode its projections
+    were built in."""
     model.eval().requires_grad_(False)
     model = pack_linears(model, model.device, model.dtype)
-    native.attach(model)
+    model.use(Execution(quantization=quantization, native_layers=layers.native_layers(model)))
     return model

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from saguaro.models import native
+from saguaro.models.native import bindings, packing
 from saguaro.models.build import frozen
 from saguaro.models.config import ModelConfig
 from saguaro.models.eagle import model_class
@@ -63,17 +63,11 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32,
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state[SHARED_EMBEDDING]
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    with torch.device("meta"):
-        model = model_class(config)(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.reset_rope()
-    model = model.to(device)
+    model = model_class(config).with_weights(config, state).to(device)
     if quantization is not None:
-        model.quantization = check_mode(quantization, dtype, torch.device(device))
-        quantize_checkpoint(model, model.quantization)
-    return frozen(model)
+        quantization = check_mode(quantization, dtype, torch.device(device))
+        quantize_checkpoint(model, quantization)
+    return frozen(model, quantization)
 
 
 def quantize_checkpoint(model: LlamaModel, mode: str) -> None:
@@ -81,20 +75,19 @@ def quantize_checkpoint(model: LlamaModel, mode: str) -> None:
     "auto", where saguaro's kernels run, int4 groups and an int8-group head (a draft's
     precision decides only how often its proposals are accepted, never what is sampled, and a
     draft step reads about a third of bf16's bytes so). EAGLE drafts stay as they are."""
-    if mode == "none" or (mode == "auto" and (not native.available() or model.reads_features)):
+    if mode == "none" or (mode == "auto" and (not bindings.available() or model.reads_features)):
         return
-    for layer in model.layers:
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-            linear = getattr(parent, name)
+    for i in range(len(model.layers)):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            linear = model.get_submodule(f"layers.{i}.{name}")
             weight = linear.weight.detach()
             quantized = quantized_linear(GroupInt4.from_float(weight) if mode == "auto" else weight,
                                          linear.bias, mode, model.dtype)
             if quantized is not None:
-                setattr(parent, name, quantized)
+                model.set_submodule(f"layers.{i}.{name}", quantized)
     head = model.lm_head.weight.detach()
-    if mode == "auto" and not model.config.tie_word_embeddings and native.fits(*head.shape):
-        model.lm_head = quantized_linear(GroupInt8.from_float(head), None, mode, model.dtype, torch.float32)
+    if mode == "auto" and not model.config.tie_word_embeddings and packing.fits(*head.shape):
+        model.set_submodule("lm_head", quantized_linear(GroupInt8.from_float(head), None, mode, model.dtype, torch.float32))
 
 
 def has_own_embeddings(folder: str | Path) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from saguaro.models import native
+from saguaro.models.native import bindings, packing
 from saguaro.models.quantized import FILE_FLOATS, GROUP, FileBlocks, GroupCodes, GroupInt4, GroupInt5, GroupInt6, GroupInt8
 
 
@@ -100,9 +100,9 @@ def file_blocks(tensor) -> FileBlocks | None:
     """A tensor of a type saguaro's kernels read, left in the mapped file (see FileBlocks)."""
     kind = int(tensor.tensor_type)
     if kind in FILE_FLOATS:
-        if len(tensor.shape) != 2 or not native.bf16_available():
+        if len(tensor.shape) != 2 or not bindings.bf16_available():
             return None  # (without AVX512-BF16 float weights run on torch's kernels, dequantized)
-    elif not native.type_bits(kind) or kind not in DECODED and not native.available():
+    elif not packing.type_bits(kind) or kind not in DECODED and not bindings.available():
         return None  # (IQ4's and Q3_K's codes have no decoder besides repack.c's: gguf-py dequantizes them)
     out_features, in_features = (int(n) for n in reversed(tensor.shape))
     return FileBlocks(kind, np.asarray(tensor.data).reshape(out_features, -1), torch.Size((out_features, in_features)),

@@ -47,6 +47,10 @@ class _Cursor:
     def __init__(self, buffer: mmap.mmap):
         self.buffer, self.offset = buffer, 0
 
+    def raw(self, count: int) -> bytes:
+        self.offset += count
+        return self.buffer[self.offset - count:self.offset]
+
     def scalar(self, code: str):
         value, = struct.unpack_from("<" + code, self.buffer, self.offset)
         self.offset += struct.calcsize(code)
@@ -99,9 +103,8 @@ def read_gguf_file(path: str | Path) -> GGUFFile:
 
 def _read_header(cursor: _Cursor, path) -> tuple[dict[str, object], list[tuple], int]:
     """(metadata, (name, shape, type, offset) of each tensor, where the header ends)."""
-    if cursor.buffer[:4] != b"GGUF":
+    if cursor.raw(4) != b"GGUF":
         raise UnsupportedModelError(f"{path} is not a GGUF file")
-    cursor.offset = 4
     version = cursor.scalar("I")
     if version not in (2, 3):
         raise UnsupportedModelError(f"{path}: GGUF version {version} (big-endian or unknown) is not supported")

@@ -18,7 +18,7 @@ runs on the CPU, so that everything but the capture itself stays tested there.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -107,12 +107,8 @@ class StepGraphs:
                           torch.zeros(rows, tokens, slots, dtype=torch.bool, device=device))
 
     def _forward(self, static: StaticPass, cache: KVCache) -> torch.Tensor:
-        self.model.static_shapes = True
-        try:
-            return self.model(static.tokens, static.positions, cache, rows=static.rows, slots=static.slots,
-                              mask=static.mask)
-        finally:
-            self.model.static_shapes = False
+        return self.model(static.tokens, static.positions, cache, rows=static.rows, slots=static.slots,
+                          mask=static.mask, static_shapes=True)
 
     def _capture(self, static: StaticPass, cache: KVCache) -> None:
         """Records the pass. Its KV writes are the real ones: the inputs are already in place."""
@@ -134,11 +130,10 @@ def attach(model: LlamaModel, setting: str) -> LlamaModel:
     only, "emulated" anywhere, "off" never."""
     if setting not in SETTINGS:
         raise ValueError(f"cuda_graphs must be one of {', '.join(SETTINGS)}, not {setting!r}")
-    model.cuda_graphs = setting
+    captured = None
     if setting == "emulated":
-        model.step_graphs = StepGraphs(model, "emulated")
+        captured = StepGraphs(model, "emulated")
     elif setting == "auto" and model.device.type == "cuda" and model.tensor_parallel is None:
-        model.step_graphs = StepGraphs(model, "cuda")
-    else:
-        model.step_graphs = None
+        captured = StepGraphs(model, "cuda")
+    model.use(replace(model.execution, cuda_graphs=setting, step_graphs=captured))
     return model

@@ -23,6 +23,15 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
 
+    def grow(self, num_rows: int, num_slots: int) -> None:
+        """At least num_rows rows of num_slots slots, keeping what it holds."""
+        rows, slots = self.num_rows, self.num_slots
+        shape = (self.keys.shape[0], max(num_rows, rows), self.keys.shape[2], max(num_slots, slots), self.keys.shape[4])
+        keys, values = self.keys.new_zeros(shape), self.values.new_zeros(shape)
+        keys[:, :rows, :, :slots] = self.keys
+        values[:, :rows, :, :slots] = self.values
+        self.keys, self.values = keys, values
+
     @property
     def num_rows(self) -> int:
         return self.keys.shape[1]
@@ -83,14 +92,9 @@ def ensure_cache(cache: KVCache | None, model: LlamaModel, num_rows: int, num_sl
     tensor-parallel target's other ranks know it as the same cache)."""
     if cache is not None and cache.num_rows >= num_rows and cache.num_slots > num_slots:
         return cache
-    grown = new_cache(model, max(num_rows, cache.num_rows if cache else 0),
-                      max(num_slots, cache.num_slots - 1 if cache else 0))
     if cache is None:
-        return grown
-    rows, slots = cache.num_rows, cache.num_slots
-    grown.keys[:, :rows, :, :slots] = cache.keys
-    grown.values[:, :rows, :, :slots] = cache.values
-    cache.keys, cache.values = grown.keys, grown.values
+        return new_cache(model, num_rows, num_slots)
+    cache.grow(num_rows, num_slots + 1)  # the scratch slot, as new_cache adds it
     return cache
 
 

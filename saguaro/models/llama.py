@@ -8,6 +8,8 @@ decode, verification of K+1 tokens and tree decoding of many branches over a sha
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,40 @@ from torch import nn
 from saguaro.models import invariant
 from saguaro.models.config import ModelConfig
 from saguaro.models.kv_cache import KVCache, as_slice
+
+
+class LayerRunner(Protocol):
+    """Runs a model's decoder layers and final norm in one call (saguaro.models.native.layers)."""
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, rows, slots: torch.Tensor,
+            mask: torch.Tensor, span: int, local: tuple | None = None) -> torch.Tensor: ...
+
+
+class PassAnnouncer(Protocol):
+    """Rank 0 of a tensor-parallel target: tells the other ranks each pass to run (saguaro.models.tensor_parallel)."""
+
+    def announce(self, tokens, positions, cache: KVCache, rows, slots, mask) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class CapturedPasses(Protocol):
+    """A model's small passes captured and replayed (saguaro.models.graphs.StepGraphs)."""
+
+    def takes(self, tokens_per_row: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How a model's passes run, chosen where it is built and handed to it whole by
+    `LlamaModel.use`: the model branches on these and nothing else sets them."""
+    quantization: str | None = None  # the mode its projections were built in (saguaro.models.quantized)
+    batch_invariant: bool = False  # each position's logits independent of what shares its pass (saguaro.models.invariant)
+    native_layers: LayerRunner | None = None  # the layers and final norm in saguaro's kernels, where they run
+    reduce: Callable[[torch.Tensor], None] | None = None  # tensor parallel: sums the ranks' partial outputs in place
+    tensor_parallel: PassAnnouncer | None = None  # rank 0 of a tensor-parallel target
+    cuda_graphs: str = "auto"  # how small passes are captured (saguaro.models.graphs; a draft takes its target's)
+    step_graphs: CapturedPasses | None = None  # the captured passes, where there are any
 
 
 class RMSNorm(nn.Module):
@@ -114,13 +150,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_offset) if config.qk_norm else None
         self.rope = layer_idx not in config.no_rope_layers
         self.scale, self.softcap = config.attn_scale, config.attn_softcap
-        self.batch_invariant = False  # see LlamaModel.set_batch_invariant
-        self.reduce = None  # tensor parallel: sums the ranks' partial outputs (saguaro.models.tensor_parallel)
+        self.execution = Execution()  # its model's, given by use
+
+    def use(self, execution: Execution) -> None:
+        self.execution = execution
 
     def forward(self, x, cos, sin, cache: KVCache, rows, slots, attn_mask, span: int) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        project = invariant.project if self.batch_invariant else _call
+        project = invariant.project if self.execution.batch_invariant else _call
         qkv = project(self.qkv_proj, x).view(B, T, H + 2 * Hkv, D)
         qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
         if self.q_norm is not None:
@@ -133,10 +171,10 @@ class Attention(nn.Module):
         # are stacked along the query axis (attn_mask is already laid out that way).
         G = H // Hkv
         q = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        attend = invariant.attention if self.batch_invariant else attention
+        attend = invariant.attention if self.execution.batch_invariant else attention
         out = attend(q, keys, values, attn_mask, self.scale, self.softcap)
         out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
-        return _reduced(self.reduce, project(self.o_proj, out))
+        return _reduced(self.execution.reduce, project(self.o_proj, out))
 
 
 class MLP(nn.Module):
@@ -145,13 +183,15 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.activation = _ACTIVATIONS[config.mlp_activation]
-        self.batch_invariant = False  # see LlamaModel.set_batch_invariant
-        self.reduce = None  # see Attention
+        self.execution = Execution()  # see Attention
+
+    def use(self, execution: Execution) -> None:
+        self.execution = execution
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        project = invariant.project if self.batch_invariant else _call
+        project = invariant.project if self.execution.batch_invariant else _call
         gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)
-        return _reduced(self.reduce, project(self.down_proj, self.activation(gate) * up))
+        return _reduced(self.execution.reduce, project(self.down_proj, self.activation(gate) * up))
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -183,6 +223,10 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = norm() if config.post_norms else None
         self.sliding = layer_idx in config.sliding_layers  # which mask and rope LlamaModel passes
 
+    def use(self, execution: Execution) -> None:
+        self.self_attn.use(execution)
+        self.mlp.use(execution)
+
     def forward(self, x, cos, sin, cache, rows, slots, attn_mask, span):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, rows, slots, attn_mask, span)
         if self.pre_feedforward_layernorm is None:
@@ -203,13 +247,12 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.batch_invariant = False
+        self.execution = Execution()  # how its passes run: see use
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.lm_head = nn.Linear(config.hidden_size, config.head_vocab_size or config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         if config.head_vocab_size is not None:
             # Vocabulary id of each head row; saved with the weights.
             self.register_buffer("head_token_ids", torch.zeros(config.head_vocab_size, dtype=torch.long))
@@ -218,26 +261,80 @@ class LlamaModel(nn.Module):
             self.register_buffer("inv_freq_local", rope_inv_freq(config, local=True), persistent=False)
         else:
             self.inv_freq_local = None
-        self.native_layers = None  # saguaro.models.native.NativeLayers, where the loader attached them
-        self.quantization: str | None = None  # the mode the loader built it in (saguaro.models.quantized)
-        self.tensor_parallel = None  # rank 0 of a tensor-parallel target: its Driver (saguaro.models.tensor_parallel)
-        self.cuda_graphs = "auto"  # how its small passes are captured (saguaro.models.graphs; a draft takes its target's)
-        self.step_graphs = None  # saguaro.models.graphs.StepGraphs, where attached
-        self.static_shapes = False  # a pass being captured: no host synchronisation, no shape read from data
 
-    def reset_rope(self, device: torch.device | str | None = None) -> None:
-        """Computes the rope buffers anew: a model built on the meta device has none."""
-        self.inv_freq = rope_inv_freq(self.config).to(device)
+    @classmethod
+    def with_weights(cls, config: ModelConfig, state: dict[str, torch.Tensor],
+                     modules: dict[str, nn.Module] | None = None) -> LlamaModel:
+        """The model holding a checkpoint's tensors as they are (built on the meta device: nothing
+        initialised or copied), with `modules` (quantized projections, by name) in place of the
+        plain ones whose weights `state` lacks, its head tied as the config says and its rope
+        buffers computed (the meta device has none)."""
+        modules = modules or {}
+        with torch.device("meta"):
+            model = cls(config)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        if unexpected or set(missing) - {f"{name}.{kind}" for name in modules for kind in ("weight", "bias")}:
+            raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+        for name, module in modules.items():
+            model.set_submodule(name, module)
+        if "lm_head" not in modules:  # assigning the weights untied them
+            model.tie_weights()
+        model.reset_rope()
+        return model
+
+    def use(self, execution: Execution) -> None:
+        """Runs its passes as `execution` says from now on: the one way its running state changes."""
+        self.execution = execution
+        for layer in self.layers:
+            layer.use(execution)
+
+    def tie_weights(self) -> None:
+        """Shares the embedding table with the head, as a config that ties them says."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def refit_vocabulary(self, rows: int, head_token_ids: torch.Tensor) -> None:
+        """Fits it to a vocabulary of `rows` rows of the same tokenizer (saguaro.models.pairing):
+        its embedding table padded with zero rows or cut, its head a reduced one whose rows
+        predict `head_token_ids` (the head already cut to them by the caller)."""
+        table = self.embed_tokens.weight.detach()
+        if rows > len(table):
+            table = torch.cat((table, table.new_zeros(rows - len(table), table.shape[1])))
+        self.embed_tokens = Embedding(rows, table.shape[1], _weight=table[:rows], _freeze=True)
+        self.config = replace(self.config, vocab_size=rows, head_vocab_size=len(head_token_ids), tie_word_embeddings=False)
+        self.register_buffer("head_token_ids", head_token_ids)
+
+    @property
+    def quantization(self) -> str | None:
+        return self.execution.quantization
+
+    @property
+    def native_layers(self) -> LayerRunner | None:
+        return self.execution.native_layers
+
+    @property
+    def tensor_parallel(self) -> PassAnnouncer | None:
+        return self.execution.tensor_parallel
+
+    @property
+    def cuda_graphs(self) -> str:
+        return self.execution.cuda_graphs
+
+    @property
+    def step_graphs(self) -> CapturedPasses | None:
+        return self.execution.step_graphs
+
+    def reset_rope(self) -> None:
+        """Computes the rope buffers anew, on the CPU: a model built on the meta device has none."""
+        self.inv_freq = rope_inv_freq(self.config)
         if self.inv_freq_local is not None:
-            self.inv_freq_local = rope_inv_freq(self.config, local=True).to(device)
+            self.inv_freq_local = rope_inv_freq(self.config, local=True)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Whether each position's logits are bit-identical however many tokens and sequences
         share its pass (saguaro.models.invariant): what makes greedy SD and SSD equal AR in
         every dtype."""
-        for module in self.modules():
-            if hasattr(module, "batch_invariant"):
-                module.batch_invariant = on
+        self.use(replace(self.execution, batch_invariant=on))
 
     @property
     def device(self) -> torch.device:
@@ -249,20 +346,22 @@ class LlamaModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 rows: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, static_shapes: bool = False) -> torch.Tensor:
         """tokens, positions: [B, T]. rows: cache rows of the B sequences (default 0..B-1).
         slots: cache slots written (default: the positions). mask: [B, T, S] bool, which of the
-        first S slots each token attends to (default: causal over slots). Returns [B, T, hidden]."""
-        if self.tensor_parallel is not None:  # the other ranks run the same pass on their slices
-            self.tensor_parallel.announce(tokens, positions, cache, rows, slots, mask)
+        first S slots each token attends to (default: causal over slots). static_shapes: a pass
+        being captured (saguaro.models.graphs): no host synchronisation, no shape read from data.
+        Returns [B, T, hidden]."""
+        if self.execution.tensor_parallel is not None:  # the other ranks run the same pass on their slices
+            self.execution.tensor_parallel.announce(tokens, positions, cache, rows, slots, mask)
         x = self.embed_tokens(tokens)
         if self.config.embed_scale is not None:  # rounded to the weights' dtype, as Gemma does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        return self.run_layers(x, positions, cache, rows, slots, mask)
+        return self.run_layers(x, positions, cache, rows, slots, mask, static_shapes)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                    rows: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
+                   mask: torch.Tensor | None = None, static_shapes: bool = False) -> torch.Tensor:
         """The decoder layers and final norm over input vectors x [B, T, hidden]."""
         if slots is None:
             slots = positions
@@ -274,7 +373,7 @@ class LlamaModel(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()  # [B, T, rotary_dim / 2]
         if self.config.rope_attention_factor != 1.0:
             cos, sin = cos * self.config.rope_attention_factor, sin * self.config.rope_attention_factor
-        if not self.static_shapes:  # a captured pass reads its rows by index, as they are
+        if not static_shapes:  # a captured pass reads its rows by index, as they are
             rows = as_slice(rows)
         local = None  # the sliding layers' (mask, cos, sin), cos and sin None where they turn as the others
         if self.config.sliding_layers:
@@ -282,22 +381,18 @@ class LlamaModel(nn.Module):
             if self.inv_freq_local is not None:
                 freqs = positions[..., None].float() * self.inv_freq_local
                 local = (local[0], freqs.cos(), freqs.sin())
-        if self.native_layers is not None:  # the final norm included
-            return self.native_layers.run(x, cos, sin, cache, rows, slots, mask, mask.shape[-1], local)
+        if self.execution.native_layers is not None:  # the final norm included
+            return self.execution.native_layers.run(x, cos, sin, cache, rows, slots, mask, mask.shape[-1], local)
         group = self.config.num_heads // self.config.num_kv_heads
-        full = (cos[:, :, None], sin[:, :, None], gqa_mask(mask, group, self._dense(mask)))
+        full = (cos[:, :, None], sin[:, :, None], gqa_mask(mask, group, _dense(mask, static_shapes)))
         if local is not None:
             window, local_cos, local_sin = local
             local = (full[0] if local_cos is None else local_cos[:, :, None],
-                     full[1] if local_sin is None else local_sin[:, :, None], gqa_mask(window, group, self._dense(window)))
+                     full[1] if local_sin is None else local_sin[:, :, None], gqa_mask(window, group, _dense(window, static_shapes)))
         for layer in self.layers:
             cos, sin, attn_mask = local if layer.sliding else full
             x = layer(x, cos, sin, cache, rows, slots, attn_mask, mask.shape[-1])
         return self.norm(x)
-
-    def _dense(self, mask: torch.Tensor) -> bool:
-        """Every token sees every slot; not asked of a pass being captured (it would synchronise)."""
-        return not self.static_shapes and bool(mask.all())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the full vocabulary. With a reduced head, tokens outside it get
@@ -308,7 +403,7 @@ class LlamaModel(nn.Module):
         """fp32 logits over the head's own rows: the vocabulary, or a reduced head's tokens.
         Drafts sample in this space (all the mass is there, at a fraction of the width) and
         map rows to token ids with `head_token`."""
-        project = invariant.project if self.batch_invariant else _call
+        project = invariant.project if self.execution.batch_invariant else _call
         return softcap(project(self.lm_head, hidden).float(), self.config.logit_softcap)
 
     def head_token(self, rows: torch.Tensor) -> torch.Tensor:
@@ -319,6 +414,11 @@ class LlamaModel(nn.Module):
         if self.config.head_vocab_size is None:
             return values
         return scatter_to_vocab(values, self.head_token_ids, self.config.vocab_size, fill)
+
+
+def _dense(mask: torch.Tensor, static_shapes: bool) -> bool:
+    """Every token sees every slot; not asked of a pass being captured (it would synchronise)."""
+    return not static_shapes and bool(mask.all())
 
 
 def scatter_to_vocab(values: torch.Tensor, token_ids: torch.Tensor, vocab_size: int,

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from saguaro.models import native, weight_cache
+from saguaro.models import weight_cache
+from saguaro.models.native import bindings
 from saguaro.models.build import build_model
 from saguaro.models.checkpoint import is_saguaro_checkpoint, load_checkpoint
 from saguaro.models.config import ModelConfig
@@ -31,11 +32,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         return load_checkpoint(path, dtype, device)
     config, hf_state = read_checkpoint(path)
     gguf_file = checkpoint_files(Path(path))[1]
-    if gguf_file is None or not native.available() or torch.device(device).type != "cpu":
+    if gguf_file is None or not bindings.available() or torch.device(device).type != "cpu":
         return build_model(config, hf_state, dtype, device, quantization)
     stat = gguf_file.stat()
     where = zlib.crc32(str(gguf_file.resolve()).encode())
     key = (f"{gguf_file.stem}-{where:08x}-{stat.st_size}-{stat.st_mtime_ns}-{str(dtype).removeprefix('torch.')}-"
-           f"{quantization or 'default'}-{native.build_key()}")
+           f"{quantization or 'default'}-{bindings.build_key()}")
     with weight_cache.kept(cache_dir() / "weights", key):
         return build_model(config, hf_state, dtype, device, quantization)

@@ -1,13 +1,11 @@
 """Frozen linear layers in oneDNN's blocked weight layout, for decoding on CPU.
 
 Small-batch decoding reads every weight once per step, so its speed is the speed at which the
-matrix kernels stream weights. Measured on SmolLM2-135M, one core: reordering each weight once
-at load into oneDNN's layout makes all of a step's projections 1.6x faster in bf16 for one row
-of activations and 2.2x faster for six (a verification of K + 1 = 6 tokens), with bit-identical
-results. In fp32 it makes six rows 2.4x faster, but no library kernel streams a single fp32 row
-near the memory bandwidth (oneDNN 16 GB/s, the BLAS 11-22 GB/s by shape, where one core reads
-28 GB/s). A batched product over blocks of 16 output columns, each block's weight stored
-input-major, does (27-30 GB/s), so fp32 layers keep that copy too, for single rows.
+matrix kernels stream weights. Each weight is reordered once, at load, into oneDNN's blocked
+layout, the order its kernels compute in, instead of being read in the plain one every call;
+the results are bit-identical. No library kernel streams a single fp32 row near the memory
+bandwidth, but a batched product over blocks of 16 output columns, each block's weight stored
+input-major, does, so fp32 layers keep that copy too, for single rows.
 """
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ import torch
 from torch import nn
 
 
-BLOCK = 16  # outputs per block of the fp32 single-row copy; a SmolLM2 step: 8 -> 21.9, 16 -> 18.3, 32 -> 20.1 ms
+BLOCK = 16  # outputs per block of the fp32 single-row copy: a SmolLM2 step's fastest of 8, 16 and 32
 
 
 def output_blocks(weight: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
@@ -69,8 +67,7 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     """Replaces every nn.Linear of a frozen CPU model by a PackedLinear (in place)."""
     if not can_pack(device, dtype):
         return model
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
+    for name, child in list(model.named_modules()):
+        if isinstance(child, nn.Linear):
+            model.set_submodule(name, PackedLinear(child))
     return model

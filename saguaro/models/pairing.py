@@ -4,7 +4,7 @@ speaks the target's tokenizer. LLM, the decoder builder and SSD's workers take t
 given instead of finding paths and reading tokenizers again."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -134,20 +134,20 @@ def load_draft(path: str | Path, target: LlamaModel, dtype: torch.dtype | None =
     has read it (DraftPairing)."""
     dtype, device = dtype or target.dtype, device or target.device
     quantization = target.quantization if dtype == target.dtype else None
-    if config is None and not is_saguaro_checkpoint(path):
-        draft = load_model(path, dtype, device, quantization)
-        if tokens is not None:
-            return fit_vocabulary(draft, target.config.vocab_size, tokens)
+    if config is not None or is_saguaro_checkpoint(path):
+        config = config or ModelConfig.load(Path(path) / "config.json")
+        _check_vocab(config, target.config, path)
+        embeddings = draft_embeddings(target)
+        if config.hidden_size != embeddings.shape[1] and not has_own_embeddings(path):
+            raise IncompatibleDraftError(
+                f"draft {path} borrows the target's embeddings but its width {config.hidden_size} "
+                f"differs from the target's {embeddings.shape[1]}")
+        return load_checkpoint(path, dtype, device, embeddings=embeddings, quantization=quantization, config=config)
+    draft = load_model(path, dtype, device, quantization)
+    if tokens is None:
         _check_vocab(draft.config, target.config, path)
         return draft
-    config = config or ModelConfig.load(Path(path) / "config.json")
-    _check_vocab(config, target.config, path)
-    embeddings = draft_embeddings(target)
-    if config.hidden_size != embeddings.shape[1] and not has_own_embeddings(path):
-        raise IncompatibleDraftError(
-            f"draft {path} borrows the target's embeddings but its width {config.hidden_size} "
-            f"differs from the target's {embeddings.shape[1]}")
-    return load_checkpoint(path, dtype, device, embeddings=embeddings, quantization=quantization, config=config)
+    return fit_vocabulary(draft, target.config.vocab_size, tokens)
 
 
 def draft_embeddings(target: LlamaModel) -> torch.Tensor:
@@ -179,21 +179,22 @@ def fit_vocabulary(draft: LlamaModel, rows: int, tokens: int) -> LlamaModel:
         shared = min(config.vocab_size, rows)
         head_ids = torch.arange(shared, device=draft.device)
         if shared < config.vocab_size:  # the head's rows past the target's vocabulary are cut
-            packed = isinstance(draft.lm_head, PackedLinear)
-            if not packed and type(draft.lm_head) is not torch.nn.Linear:
-                raise IncompatibleDraftError(
-                    f"the draft's vocabulary ({config.vocab_size} rows) is padded beyond the target's ({rows}) and "
-                    "its quantized head cannot be cut: load it with quantization 'none'")
-            head = torch.nn.Linear(config.hidden_size, shared, bias=False, device="meta")
-            head.weight = torch.nn.Parameter(draft.lm_head.weight[:shared], requires_grad=False)
-            draft.lm_head = PackedLinear(head) if packed else head
-    table = draft.embed_tokens.weight
-    padded = torch.cat((table, table.new_zeros(rows - len(table), table.shape[1]))) if rows > len(table) else table[:rows]
-    draft.embed_tokens.weight = torch.nn.Parameter(padded, requires_grad=False)
-    draft.embed_tokens.num_embeddings = rows
-    draft.config = replace(config, vocab_size=rows, head_vocab_size=len(head_ids), tie_word_embeddings=False)
-    draft.register_buffer("head_token_ids", head_ids)
+            draft.set_submodule("lm_head", _cut_head(draft.lm_head, shared, config.vocab_size, rows))
+    draft.refit_vocabulary(rows, head_ids)
     return draft
+
+
+def _cut_head(head: torch.nn.Module, shared: int, draft_rows: int, target_rows: int) -> torch.nn.Module:
+    """A float head's first `shared` rows, packed as it was."""
+    packed = isinstance(head, PackedLinear)
+    if not packed and type(head) is not torch.nn.Linear:
+        raise IncompatibleDraftError(
+            f"the draft's vocabulary ({draft_rows} rows) is padded beyond the target's ({target_rows}) and "
+            "its quantized head cannot be cut: load it with quantization 'none'")
+    cut = torch.nn.Linear(head.in_features, shared, bias=False, device="meta",
+                          dtype=head.weight.dtype).requires_grad_(False)
+    cut.load_state_dict({"weight": head.weight[:shared]}, assign=True)
+    return PackedLinear(cut) if packed else cut
 
 
 def _check_vocab(draft: ModelConfig, target: ModelConfig, path) -> None:

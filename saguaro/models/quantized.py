@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from saguaro.models import native
+from saguaro.models.native import bindings, packing
 from saguaro.models.gguf_file import forget_pages
-from saguaro.models.native import GROUP
+from saguaro.models.native.packing import GROUP
 
 MODES = ("auto", "none", "int8", "int4")
 
@@ -125,7 +125,7 @@ class FileBlocks:
 
     @property
     def bits(self) -> int:
-        return 16 if self.type_id in FILE_FLOATS else native.type_bits(self.type_id)
+        return 16 if self.type_id in FILE_FLOATS else packing.type_bits(self.type_id)
 
     def rows(self, index: torch.Tensor) -> FileBlocks:
         return replace(self, order=index if self.order is None else self.order[index])
@@ -145,20 +145,20 @@ class FileBlocks:
 
     def tiles(self, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.bits == 16:
-            tiles = native.pack16(self.values(), out)
+            tiles = packing.pack16(self.values(), out)
         else:
-            tiles = native.repack(self.type_id, self.data, self.shape, self.order, out)
+            tiles = packing.repack(self.type_id, self.data, self.shape, self.order, out)
         forget_pages(self.data)
         return tiles
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.bits == 16:
-            weights = native.float_rows(self.type_id, tuple(self.shape), self.order, dtype, self.values)
-        elif not native.available():
+            weights = packing.float_rows(self.type_id, tuple(self.shape), self.order, dtype, self.values)
+        elif not bindings.available():
             return self.groups().dequantize().to(dtype)
         else:
             written = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32  # what the kernel writes
-            weights = native.dequantize_rows(self.type_id, self.data, self.shape, self.order, written).to(dtype)
+            weights = packing.dequantize_rows(self.type_id, self.data, self.shape, self.order, written).to(dtype)
         forget_pages(self.data)
         return weights
 
@@ -209,18 +209,18 @@ def fill_tiles(weights: GroupCodes | FileBlocks, out: torch.Tensor) -> None:
 def native_tiles(weights: GroupCodes | FileBlocks | StackedCodes) -> tuple[int, torch.Tensor]:
     """(bits, tiles) as group_matmul.c reads them; bits 0 for stacked parts."""
     if isinstance(weights, StackedCodes):
-        return 0, native.stack_parts([(part_bits(p), *p.shape, partial(fill_tiles, p)) for p in weights.parts])
+        return 0, packing.stack_parts([(part_bits(p), *p.shape, partial(fill_tiles, p)) for p in weights.parts])
     if isinstance(weights, FileBlocks):
         return weights.bits, weights.tiles()
     if isinstance(weights, torch.Tensor):
-        return 16, native.pack16(weights)
+        return 16, packing.pack16(weights)
     if isinstance(weights, GroupInt4):
-        return 4, native.pack4(weights.codes, weights.scales, weights.lows)
+        return 4, packing.pack4(weights.codes, weights.scales, weights.lows)
     if isinstance(weights, GroupInt5):
-        return 5, native.pack5(weights.codes, weights.scales, weights.lows)
+        return 5, packing.pack5(weights.codes, weights.scales, weights.lows)
     if isinstance(weights, GroupInt6):
-        return 6, native.pack6(weights.codes, weights.sub_scales, weights.scales)
-    return 8, native.pack8(weights.codes, weights.scales)
+        return 6, packing.pack6(weights.codes, weights.sub_scales, weights.scales)
+    return 8, packing.pack8(weights.codes, weights.scales)
 
 
 def fits_int4(out_features: int, in_features: int) -> bool:
@@ -268,7 +268,7 @@ class Int4Linear(QuantizedLinear):
     def __init__(self, weights: GroupInt4 | FileBlocks | StackedCodes, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__(*weights.shape, bias)
         self.compute_dtype = dtype
-        self.native = native.available() and native.fits(*weights.shape)
+        self.native = bindings.available() and packing.fits(*weights.shape)
         self.bits = None  # what decoder_layer.c reads (saguaro.models.native): a FOUR_BIT_KINDS kind, or 0 for parts
         if self.native:
             self.bits, packed = native_tiles(weights)
@@ -285,7 +285,7 @@ class Int4Linear(QuantizedLinear):
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return native.group_matmul(self.bits, self.packed, rows, self.out_features)
+            return bindings.group_matmul(self.bits, self.packed, rows, self.out_features)
         return torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
 
     def extra_repr(self) -> str:
@@ -306,7 +306,7 @@ class GroupLinear(QuantizedLinear):
         self.register_buffer("packed", packed, persistent=False)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return native.group_matmul(self.bits, self.packed, rows, self.out_features, self.out_dtype)
+        return bindings.group_matmul(self.bits, self.packed, rows, self.out_features, self.out_dtype)
 
 
 class Int8Linear(QuantizedLinear):
@@ -348,20 +348,20 @@ def quantized_linear(weight: torch.Tensor | GroupCodes | FileBlocks | StackedCod
     if mode == "int8":
         return Int8Linear(weight if isinstance(weight, torch.Tensor) else weight.dequantize(), bias, dtype)
     four_bit = isinstance(weight, GroupInt4) or isinstance(weight, (FileBlocks, StackedCodes)) and \
-        weight.bits in native.FOUR_BIT_KINDS
+        weight.bits in packing.FOUR_BIT_KINDS
     if four_bit:
         if mode in ("auto", "int4") and fits_int4(out_features, in_features):
             return Int4Linear(weight, bias, dtype)
     elif not isinstance(weight, torch.Tensor):  # 5, 6 and 8 bits, and parts of several widths
         parts = weight.parts if isinstance(weight, StackedCodes) else [weight]
-        if mode == "auto" and native.available() and all(native.fits(*p.shape) for p in parts):
+        if mode == "auto" and bindings.available() and all(packing.fits(*p.shape) for p in parts):
             return GroupLinear(weight, bias, dtype, out_dtype)
     if not isinstance(weight, torch.Tensor):
         weight = weight.dequantize()
     if mode == "int4" and fits_int4(out_features, in_features):
         return Int4Linear(GroupInt4.from_float(weight), bias, dtype)
-    if mode == "auto" and native.bf16_available() and native.fits(out_features, in_features):
-        return GroupLinear(weight, bias, dtype, out_dtype)  # bf16 weights on the kernels (native.bf16_available)
+    if mode == "auto" and bindings.bf16_available() and packing.fits(out_features, in_features):
+        return GroupLinear(weight, bias, dtype, out_dtype)  # bf16 weights on the kernels (bindings.bf16_available)
     return None
 
 

@@ -90,14 +90,9 @@ def shard_model(model: LlamaModel, rank: int, world: int) -> LlamaModel:
     if model.quantization not in (None, "none"):
         raise ValueError("tensor parallelism splits full-precision weights: load with quantization='none'")
     config = shard_config(model.config, rank, world)
-    with torch.device("meta"):
-        shard = LlamaModel(config)
-    shard.load_state_dict(shard_state(model.config, model.state_dict(), rank, world), strict=True, assign=True)
-    if config.tie_word_embeddings:
-        shard.lm_head.weight = shard.embed_tokens.weight
-    shard.reset_rope(model.device)
-    shard.quantization = model.quantization
-    return frozen(shard)
+    state = shard_state(model.config, model.state_dict(), rank, world)
+    shard = LlamaModel.with_weights(config, state)
+    return frozen(shard, model.quantization)
 
 
 class Ranks:
@@ -129,10 +124,11 @@ class Ranks:
         self.group.broadcast([tensor], options).wait()
 
 
-def attach_reduce(model: LlamaModel, ranks: Ranks) -> None:
-    """The row-parallel projections (o, down) sum their ranks' partial products."""
-    for layer in model.layers:
-        layer.self_attn.reduce = layer.mlp.reduce = ranks.all_reduce
+def join(shard: LlamaModel, ranks: Ranks, batch_invariant: bool, driver: Driver | None = None) -> LlamaModel:
+    """The shard running with its ranks: its row-parallel projections (o, down) sum their ranks'
+    partial products, and rank 0's `driver` announces each pass to the others."""
+    shard.use(replace(shard.execution, batch_invariant=batch_invariant, reduce=ranks.all_reduce, tensor_parallel=driver))
+    return shard
 
 
 class Driver:
@@ -198,13 +194,12 @@ def _gloo(store: dist.Store, rank: int, world: int) -> dist.ProcessGroup:
     return dist.ProcessGroupGloo(store, rank, world, options)
 
 
-def load_shard(path: str, dtype: torch.dtype, rank: int, world: int, batch_invariant: bool) -> LlamaModel:
+def load_shard(path: str, dtype: torch.dtype, rank: int, world: int) -> LlamaModel:
     """This rank's slice of the checkpoint at `path`, read whole in full precision."""
     from saguaro.models.loader import load_model
 
-    shard = shard_model(load_model(path, dtype, "cpu", "none"), rank, world)
-    shard.set_batch_invariant(batch_invariant)
-    return shard
+    whole = load_model(path, dtype, "cpu", "none")
+    return shard_model(whole, rank, world)
 
 
 def _await_loaded(store: dist.TCPStore, processes: list[subprocess.Popen]) -> None:
@@ -242,30 +237,26 @@ def tensor_parallel(path: str | Path, dtype: torch.dtype, world: int, device: st
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=TIMEOUT)
         ranks = Ranks(dist.distributed_c10d._get_default_group(), rank, world)
-        shard = load_shard(path, dtype, rank, world, batch_invariant)
-        attach_reduce(shard, ranks)
+        shard = load_shard(path, dtype, rank, world)
         if rank != 0:
-            serve(shard, ranks)
+            serve(join(shard, ranks, batch_invariant), ranks)
             dist.destroy_process_group()
             raise SystemExit(0)
-        shard.tensor_parallel = Driver(ranks, [])
-        return shard
+        return join(shard, ranks, batch_invariant, Driver(ranks, []))
     store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=TIMEOUT, wait_for_workers=False)
     dtype_name = str(dtype).removeprefix("torch.")
     processes = [subprocess.Popen([sys.executable, "-c", WORKER, path, dtype_name, str(rank), str(world),
                                    str(store.port), str(threads), str(int(batch_invariant))])
                  for rank in range(1, world)]
     try:
-        shard = load_shard(path, dtype, 0, world, batch_invariant)
+        shard = load_shard(path, dtype, 0, world)
         _await_loaded(store, processes)
         ranks = Ranks(_gloo(store, 0, world), 0, world)
     except BaseException:
         for process in processes:
             process.kill()
         raise
-    attach_reduce(shard, ranks)
-    shard.tensor_parallel = Driver(ranks, processes, store)
-    return shard
+    return join(shard, ranks, batch_invariant, Driver(ranks, processes, store))
 
 
 WORKER = "import sys; from saguaro.models.tensor_parallel import worker; worker(*sys.argv[1:])"
@@ -276,12 +267,11 @@ def worker(path: str, dtype: str, rank: str, world: str, port: str, threads: str
     rank, world = int(rank), int(world)
     torch.set_num_threads(int(threads))
     store = dist.TCPStore("127.0.0.1", int(port), world, False, timeout=TIMEOUT)
-    shard = load_shard(path, getattr(torch, dtype), rank, world, batch_invariant == "1")
+    shard = load_shard(path, getattr(torch, dtype), rank, world)
     store.set(f"loaded{rank}", "1")
     ranks = Ranks(_gloo(store, rank, world), rank, world)
-    attach_reduce(shard, ranks)
     try:
-        serve(shard, ranks)
+        serve(join(shard, ranks, batch_invariant == "1"), ranks)
     except RuntimeError:
         pass  # rank 0 went away without closing: its connection is gone, and so is this rank's work
 

@@ -116,17 +116,14 @@ def write_all(fd: int, parts: list[memoryview]) -> None:
 
 def fresh_buffer(nbytes: int) -> torch.Tensor:
     """nbytes of memory (not necessarily zeroed) on 2 MB pages where the kernel grants them
-    (transparent huge pages, asked for per mapping): one core streams tiles from them 1.14-1.44x
-    as fast as from 4 KB pages (`tile_rows.py --pages 2m,4k`: no page walk each 4 KB, the
-    prefetchers not stopping at each page's end). Buffers under SHARED_BLOCK / 4 (a small
-    model's projections) are carved one after another out of a shared mapping, as alone they
-    would not fill one 2 MB page: a 135M model's bf16 products, two threads, read 1.25-1.65x as
-    fast from them as from the heap's 4 KB pages.
+    (transparent huge pages, asked for per mapping): tiles stream faster from them, with no page
+    walk every 4 KB and the prefetchers not stopping at each page's end (`tile_rows.py --pages
+    2m,4k` measures it). Buffers under SHARED_BLOCK / 4 (a small model's projections) are carved
+    one after another out of a shared mapping, as alone they would not fill one 2 MB page.
 
     Never an inference tensor, even when asked for inside torch.inference_mode: a shared block
     made there outlives that load, and a later load outside it that carves the block's rest
-    could not fill its buffers in place (a model loaded under inference_mode, then a draft's
-    tiles packed outside it, failed so whenever those tiles landed in that block's rest)."""
+    (a draft's tiles, say) could not fill its buffers in place."""
     with torch.inference_mode(False):
         if not hasattr(mmap, "MADV_HUGEPAGE"):
             return torch.empty(nbytes, dtype=torch.uint8)

@@ -178,14 +178,12 @@ int saguaro_bf16_supported(void) {
     return saguaro_cpu_supported() && __builtin_cpu_supports("avx512bf16");
 }
 
-/* Whether this CPU streams one row of tiles faster without software prefetches (tile_column):
- * AMD's cores do. One core of a Xeon with AMX does not: there every kind is fetched
- * PREFETCH_BYTES ahead into L2 (tile_rows.py, 2 MB pages, from memory, against no prefetch at
- * one row and PREFETCH_TILES into L1 at more: one row Q4_K 1.15x, Q5_K 1.24x, Q6_K 1.07x, Q3_K
- * and Q2_K 1.5x, the 4- and 8-bit kinds 1.03-1.06x; two threads, one row, 1.05-1.25x; four
- * rows 0.91-1.18x). Into L1, 2 KB ahead did less than 4 KB into L2 (0.85-0.93x); 4, 8 and
- * 16 KB into L2 did alike. One row of bf16 tiles too: the products of a 135M decode step in
- * turn, two threads, 1.06x (one thread 0.98x). */
+/* Whether this CPU streams one row of tiles faster without software prefetches (tile_column).
+ * AMD's cores prefetch a lone stream well on their own, and a software prefetch only competes
+ * with theirs; cores that do not (a Xeon with AMX) gain from fetching every kind PREFETCH_BYTES
+ * ahead into L2, most for the K records, whose bytes a row reads unevenly. Into L2 rather than
+ * L1 there: a longer lead hides more of the memory's latency, and L2 holds it.
+ * benchmarks/tile_rows.py measures both ways on a machine. */
 static int streams_alone;
 
 /* Whether R rows against tiles of tile_bytes a group (each multiply-add costing `cost` int8 ones:
@@ -290,15 +288,13 @@ TARGET static inline __attribute__((always_inline)) void tile_column(
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int64_t tile_bytes = saguaro_tile_bytes(bits);
     const int width = code_width(bits), blocked = is_record(bits);
-    /* Products bound by the core rather than by memory (4.5 multiply-adds or more a byte of tiles:
-     * bf16 from 5 rows, 8-bit codes from 5, 6-bit from 4, 4- and 5-bit from 3) take the tiles
-     * PREFETCH_BYTES ahead into L2 on every CPU; those bound by memory PREFETCH_TILES ahead into
-     * L1 (one core of a Zen 4 EPYC, peak.py, from memory, medians, a shared machine: six rows
-     * into L2 at 47-68% of the int8 peak, into L1 at 36-53%; two rows into L1 1.1-1.3x as fast
-     * as into L2). One row of the 4- and 8-bit kinds and of the K records but K6 streams faster
-     * on AMD's hardware prefetcher alone (from memory: 1.1-1.2x; K4 and K5 records 1.07-1.19x,
-     * K3 and K2 1.02-1.10x, K6 0.95-0.99x); one core of a Xeon (with AMX) streams every product
-     * faster fetched into L2: see streams_alone. */
+    /* Products bound by the core rather than by memory (core_bound) take the tiles PREFETCH_BYTES
+     * ahead into L2 on every CPU: the core sets their pace, and L2 holds the lead. Those bound by
+     * memory take them PREFETCH_TILES ahead into L1 where the CPU streams well alone
+     * (streams_alone), so that each load finds its tile at hand; there, one row of the kinds a
+     * row reads evenly (the 4- and 8-bit kinds, the K records but K6) runs without software
+     * prefetches, which would only compete with the hardware's. Elsewhere every product
+     * fetches into L2 (see streams_alone). benchmarks/peak.py and tile_rows.py measure these. */
     const int into_l1 = streams_alone && !core_bound(R, tile_bytes, 1);
     const int64_t ahead = into_l1 ? PREFETCH_TILES * tile_bytes : PREFETCH_BYTES;
     const int prefetched = R > 1 || !streams_alone || !(bits == 4 || bits == SYM4 || bits == NL4 || bits == 8
