@@ -31,7 +31,7 @@ from saguaro.speculation.policy.auto import (REFRESH_ROUNDS, SSD, SSD_MIN_ROUNDS
                                              batch_bucket)
 from saguaro.speculation.remote.pool import DraftPool
 from saguaro.speculation.remote.proposer import RemoteProposer
-from saguaro.system import CoreShare, usable_cores, use_cores
+from saguaro.system import CorePlacement, CoreShare, usable_cores, use_cores
 from stats import ks_pvalue, teacher_forced_pit
 from test_exactness import (ALPHA, TINY_K, TINY_V, draft, residual_is_p, sampled, target, tiny_outputs,  # noqa: F401
                              tiny_prompts)
@@ -487,11 +487,13 @@ def ready(result) -> Future:
     return future
 
 
-def auto_decoder(target, draft, schedule, ssd: RemoteProposer | None = None, k: int = TINY_K) -> Decoder:
-    """auto whose choices follow `schedule` round after round (SSD from `ssd`)."""
+def auto_decoder(target, draft, schedule, ssd: RemoteProposer | None = None, k: int = TINY_K,
+                 placement: CorePlacement | None = None) -> Decoder:
+    """auto whose choices follow `schedule` round after round (SSD from `ssd`, the target's cores
+    shared out by `placement`, by default none taken from it)."""
     launcher = None
     if ssd is not None:
-        launcher = SSDLauncher(lambda: ready(ssd), CoreShare.of(None), sum(ssd.fan_out))
+        launcher = SSDLauncher(lambda: ready(ssd), placement or CorePlacement(CoreShare.of(None)), sum(ssd.fan_out))
     decoder = build.auto_decoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k, prompt_lookup=0)),
                                  launcher)
     choices = itertools.cycle(schedule)
@@ -508,9 +510,9 @@ def draft_dir(draft, tmp_path_factory):
     return folder
 
 
-def in_process_ssd(target, draft_dir, fan_out: list[int]) -> RemoteProposer:
+def in_process_ssd(target, draft_dir, fan_out: list[int], placement: CorePlacement | None = None) -> RemoteProposer:
     client = InProcessDraft(worker_config(str(draft_dir), "float32", TINY_K, fan_out), None)
-    return RemoteProposer(DraftPool([client]), "neural", vocab_size=target.config.vocab_size)
+    return RemoteProposer(DraftPool([client]), "neural", vocab_size=target.config.vocab_size, placement=placement)
 
 
 SWITCHING = [TINY_K, SSD, SSD, 0, SSD, 1]  # into SSD, on in SSD, out to AR, back into SSD, out to SD
@@ -564,7 +566,8 @@ def test_a_loading_worker_keeps_the_target_off_its_core_and_its_rounds_are_forgo
     try:
         decoder = build.auto_decoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=TINY_K,
                                                                                  prompt_lookup=0)),
-                                     SSDLauncher(lambda: starting, CoreShare(everything, (everything[0], 1)), 8))
+                                     SSDLauncher(lambda: starting,
+                                                 CorePlacement(CoreShare(everything, (everything[0], 1))), 8))
         auto, controller = decoder.policy, decoder.policy.controller
         assert torch.get_num_threads() == everything[1]  # no worker yet: it starts when SSD would pay
         auto.wait_for_ssd(start=False)
@@ -586,10 +589,11 @@ def test_a_loading_worker_keeps_the_target_off_its_core_and_its_rounds_are_forgo
 
 
 def test_ssd_stints_hand_the_worker_what_it_lacks_and_give_the_cores_back(target, draft, draft_dir):
-    ssd = in_process_ssd(target, draft_dir, [TINY_V - 1] * (TINY_K + 1))  # every bonus cached: hits
-    decoder = auto_decoder(target, draft, [SSD, SSD, SSD, 1], ssd)
-    cores = decoder.policy.cores
-    ssd.cores = decoder.policy.cores = CoreShare(cores.all, (cores.all[0], 1))
+    cores = CoreShare.of(None)
+    placement = CorePlacement(CoreShare(cores.all, (cores.all[0], 1)))
+    ssd = in_process_ssd(target, draft_dir, [TINY_V - 1] * (TINY_K + 1), placement)  # every bonus cached: hits
+    decoder = auto_decoder(target, draft, [SSD, SSD, SSD, 1], ssd, placement=placement)
+    decoder.wait_for_ssd(start=True)  # a worker on the target's cores starts when asked
     rounds, prefilled = [], []  # per round: the torch threads it ran on; the round of each worker prefill
     client = ssd.pool.lanes[0].client
     send_prefill = client.prefill

@@ -130,8 +130,8 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
     held = {name: cores["all"][1] for name in config.methods}
     if "ssd" in held:
         held["ssd"] = cores["ssd"][1] + (spec.draft_device == "cpu" and not spec.draft_address)
-    if isinstance(auto, AutoPolicy) and auto.cores is not None and auto.cores.ssd != auto.cores.all:
-        held["auto"] = max(held["auto"], auto.cores.ssd[1] + 1)
+    if isinstance(auto, AutoPolicy) and auto.placement is not None and auto.placement.share.ssd != auto.placement.share.all:
+        held["auto"] = max(held["auto"], auto.placement.share.ssd[1] + 1)
 
     def saguaro_engine(name: str, engine: Engine):
         def generate(prompts, params):

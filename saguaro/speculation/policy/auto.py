@@ -62,7 +62,7 @@ from saguaro.engine.sequence import Sequence
 from saguaro.speculation.local.proposer import DraftProposer
 from saguaro.speculation.policy.planning import EMA, RowCosts
 from saguaro.speculation.remote.proposer import RemoteProposer
-from saguaro.system import CoreShare, use_cores
+from saguaro.system import CorePlacement
 
 SSD = "ssd"  # the controller's option of an SSD round
 Option = int | str | TreeShape  # K = 0..K_max, SSD, or SD with token trees of a shape
@@ -476,17 +476,17 @@ class SSDLauncher:
     hardware of its own (another device or host) starts at once; one on the target's own cores
     only once the controller predicts that SSD pays (`Controller.ssd_would_pay`)."""
     start: Callable[[], Future[RemoteProposer]]
-    cores: CoreShare
+    placement: CorePlacement  # the target's cores with SSD and without
     branches: int  # the branches the worker pre-drafts per request (its first fan-out's sum)
 
     @property
     def on_own_hardware(self) -> bool:
-        return self.cores.ssd == self.cores.all
+        return self.placement.share.ssd == self.placement.share.all
 
 
 class AutoPolicy:
     """Chooses each round (see the module docstring): K = 0 (a plain AR round) or SD with the
-    draft's K, and, once `ssd`'s worker is up, SSD rounds on the cores `cores.ssd`."""
+    draft's K, and, once `ssd`'s worker is up, SSD rounds on the cores its placement leaves the target."""
 
     def __init__(self, draft: DraftProposer, ssd: SSDLauncher | None = None, profile: Path | None = None,
                  trees: list[TreeShape] = ()):
@@ -503,7 +503,7 @@ class AutoPolicy:
         self._trees = {tree: Choice(draft, tree.depth, "sd", tree) for tree in trees}
         self.launcher, self.ssd_starting = ssd, None
         self.ssd: RemoteProposer | None = None
-        self.cores = ssd.cores if ssd is not None else None
+        self.placement = ssd.placement if ssd is not None else None
         self.worker_loading = False
         self.rounds = 0
         if ssd is not None:
@@ -517,10 +517,10 @@ class AutoPolicy:
     def _start_ssd(self) -> None:
         """Starts SSD's worker. While it loads on one of the target's cores, the target keeps off
         that core: its threads would each wait for the one sharing it."""
+        self.worker_loading = not self.launcher.on_own_hardware
         self.ssd_starting, self.launcher = self.launcher.start(), None
-        self.worker_loading = self.cores.ssd != self.cores.all
         if self.worker_loading:
-            use_cores(*self.cores.ssd)
+            self.placement.for_ssd()
 
     def choose(self, seqs: list[Sequence]) -> Choice:
         self._adopt_ssd()
@@ -529,7 +529,7 @@ class AutoPolicy:
         if self.profile is not None and self.rounds % PROFILE_ROUNDS == 0:
             write_profile(self.controller, self.profile)
         if self.launcher is not None and self.rounds % SSD_CHECK_ROUNDS == 1 and \
-                self.controller.ssd_would_pay(len(seqs), self.cores.ratio):
+                self.controller.ssd_would_pay(len(seqs), self.placement.share.ratio):
             self._start_ssd()
         can_try = len(seqs) == 1 or all(self.draft.knows(s) for s in seqs)
         choice = self.controller.choose(len(seqs), can_try=can_try)
@@ -563,12 +563,12 @@ class AutoPolicy:
         """Takes SSD's proposer once its worker is up (a worker that failed to start leaves auto
         without SSD, with a warning); SSD is no choice while no worker is up."""
         if self.ssd is not None:
-            self.controller.ssd_cores_ratio = self.cores.ratio if self.ssd.available else None
+            self.controller.ssd_cores_ratio = self.placement.share.ratio if self.ssd.available else None
         if self.ssd_starting is None or not self.ssd_starting.done():
             return
         starting, self.ssd_starting = self.ssd_starting, None
         if self.worker_loading:
-            use_cores(*self.cores.all)
+            self.placement.for_all()
             self.worker_loading = False
             self.controller.forget_costs()
         try:
@@ -576,7 +576,7 @@ class AutoPolicy:
         except Exception as e:
             warnings.warn(f"method=auto continues without SSD: its draft worker did not start ({e})", RuntimeWarning)
             return
-        self.controller.ssd_cores_ratio = self.cores.ratio
+        self.controller.ssd_cores_ratio = self.placement.share.ratio
         self.controller.ssd_branches = max(1, sum(self.ssd.fan_out))
 
     def wait_for_ssd(self, start: bool = False) -> None:
@@ -601,5 +601,6 @@ class AutoPolicy:
         if self.ssd is not None:
             self.ssd.close()
             self.ssd = None
-            use_cores(*self.cores.all)
+        if self.placement is not None:
+            self.placement.for_all()
         self.draft.close()

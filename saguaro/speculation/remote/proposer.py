@@ -26,7 +26,7 @@ from saguaro.speculation.local.drafters import FeatureLog
 from saguaro.speculation.policy.planning import GeometricPlan, SpeedModel
 from saguaro.speculation.protocol import Speculation, dense_probs
 from saguaro.speculation.remote.pool import DraftPool
-from saguaro.system import CoreShare, use_cores
+from saguaro.system import CorePlacement
 
 MISS_CAUSES = ("bonus", "length", "unfilled", "lost")  # RequestSpeculation.miss
 EXPLORE_MISSES = 8  # misses each backup is tried on before auto trusts the speed model
@@ -90,15 +90,13 @@ class SSDStats:
 
 
 class RemoteProposer:
-    """SSD's proposals, from the draft workers of `pool`. cores: the cores the target keeps
-    while SSD runs where its worker holds some of this machine's (None: the worker has its own
-    device or host). cores_before: the cores this process had before the worker took some,
-    given back by close. plan: re-fits a geometric fan-out as it runs."""
+    """SSD's proposals, from the draft workers of `pool`. placement: where the target runs
+    while SSD does, and after (None: the worker has its own device or host, and the target
+    every core). plan: re-fits a geometric fan-out as it runs."""
     reads_target_features = False
 
     def __init__(self, pool: DraftPool, backup: Backup = Backup.AUTO, plan: GeometricPlan | None = None,
-                 vocab_size: int | None = None, cores: CoreShare | None = None,
-                 cores_before: tuple[set[int], int] | None = None):
+                 vocab_size: int | None = None, placement: CorePlacement | None = None):
         self.pool, self.backup = pool, Backup(backup)
         self.k = pool.k
         self.outcomes: dict[int, Outcome | None] = {}  # the sequences the workers know, and their last outcome
@@ -113,8 +111,7 @@ class RemoteProposer:
         self._new_fan_out: list[int] | None = None
         self.plan = plan
         self.branch_budget = plan.budget if plan else None
-        self.cores = cores
-        self.cores_before = cores_before  # given back by close (see build.split_cores)
+        self.placement = placement
         self._sent: tuple[Speculation, Backup, list[Outcome | None], float] | None = None  # the round in flight
         self._rounds = 0
 
@@ -148,8 +145,8 @@ class RemoteProposer:
             if self.features is not None and self.pool.gone:
                 self.features = None  # no worker will read them again
             return None
-        if self.cores is not None:
-            use_cores(*self.cores.ssd)  # every round: a caller may have moved this process meanwhile
+        if self.placement is not None:
+            self.placement.for_ssd()  # a caller may have moved this process since the last round
         started = time.perf_counter()
         if new := [s for s in seqs if s.seq_id not in self.outcomes]:
             for seq in new:
@@ -193,8 +190,8 @@ class RemoteProposer:
         """The workers forget their sequences (stale from here: they hear only the outcomes of
         SSD rounds) and the target gets back the cores SSD left it."""
         self.forget(list(self.outcomes))
-        if self.cores is not None:
-            use_cores(*self.cores.all)
+        if self.placement is not None:
+            self.placement.for_all()
 
     def release(self, seq_ids: list[int]) -> None:
         self.forget(seq_ids)
@@ -284,6 +281,5 @@ class RemoteProposer:
     def close(self) -> None:
         """Stops the draft workers (also done at exit) and gives back the cores they had."""
         self.pool.close()
-        if self.cores_before is not None:
-            use_cores(*self.cores_before)
-            self.cores_before = None
+        if self.placement is not None:
+            self.placement.for_all()
