@@ -20,7 +20,7 @@ from saguaro import LLM, SamplingParams
 from saguaro.bench import plan
 from saguaro.config import SpeculativeConfig
 import saguaro.engine.verifier as verification
-from saguaro.engine.round import Decoder
+from saguaro.engine.round import CacheHits, Decoder, RowRecord
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.checkpoint import save_checkpoint
@@ -408,9 +408,15 @@ def test_the_drafters_first_run_of_a_prompt_is_charged_to_sds_rate_and_not_to_it
 
 
 def ssd_rounds(controller: Controller, batch: int, verify_s: float, hit_rate: float, tokens_on_hit: int) -> None:
+    """Ten SSD rounds, their hits counted as the SSD proposer counts them."""
+    cache = CacheHits()
+    controller.take_ssd(controller.ssd_cores_ratio, controller.ssd_branches, cache)
     for i in range(10):
-        hits = [(i * batch + j) % 10 < 10 * hit_rate for j in range(batch)]
-        controller.record_ssd(batch, verify_s, 0.0, hits, [tokens_on_hit if hit else 1 for hit in hits])
+        rows = [RowRecord(tokens_on_hit - 1 if hit else 0, tokens_on_hit if hit else 1, hit)
+                for hit in ((i * batch + j) % 10 < 10 * hit_rate for j in range(batch))]
+        for row in rows:
+            cache.add(row)
+        controller.record_ssd(batch, verify_s, 0.0, sum(row.committed for row in rows))
 
 
 def test_controller_takes_ssd_where_its_measured_rate_beats_sd_on_all_cores():
@@ -470,7 +476,7 @@ def test_a_worker_on_the_targets_cores_starts_only_once_ssd_is_predicted_to_pay(
 def test_controller_offers_ssd_only_with_a_worker():
     controller = Controller(max_k=2)
     assert SSD not in controller.choices()
-    controller.ssd_cores_ratio = 2.0
+    controller.offer_ssd(2.0)
     assert controller.choices()[-1] == SSD
 
 

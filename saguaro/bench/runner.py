@@ -29,7 +29,7 @@ from saguaro.models import hub
 from saguaro.models.pairing import load_draft, load_paired_draft, resolve_model
 from saguaro.speculation.build import make_decoder
 from saguaro.speculation.policy.auto import AutoPolicy
-from saguaro.speculation.remote.proposer import RemoteProposer, SSDStats
+from saguaro.speculation.remote.proposer import RemoteProposer
 from saguaro.system import usable_cores, use_cores
 
 METHODS = (*SPECULATIVE_METHODS, "hf", "hf-assisted", "llamacpp")
@@ -205,7 +205,7 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
         with tqdm(total=total, desc="bench", unit="run") as bar:
             for turn, (dataset, temperature, batch, start) in enumerate(steps):
                 if start == 0 and built.ssd is not None:
-                    built.ssd.stats = SSDStats()
+                    built.ssd.reset_stats()
                 if start == 0 and built.auto is not None:
                     built.auto.controller.rounds_by_choice.clear()  # what it chose in this group
                 names = [m for m in engines if runnable(m, batch)]
@@ -258,7 +258,7 @@ def fan_out_sweep(config: BenchConfig, prompts: list[list[int]], bar: tqdm | Non
     try:
         for f in fan_outs:
             ssd.set_fan_out([f] * (k + 1))
-            ssd.stats = SSDStats()
+            ssd.reset_stats()
             params = SamplingParams(temperature=temperature, max_tokens=config.max_tokens,
                                     ignore_eos=config.ignore_eos, seed=config.seed)
             for prompt in prompts:

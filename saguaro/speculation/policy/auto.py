@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from saguaro.config import TreeShape
-from saguaro.engine.round import AR, Choice, Proposer, RoundRecord
+from saguaro.engine.round import AR, CacheHits, Choice, Proposer, RoundRecord
 from saguaro.engine.sequence import Sequence
 from saguaro.speculation.local.proposer import DraftProposer
 from saguaro.speculation.policy.planning import EMA, RowCosts
@@ -123,8 +123,7 @@ class Controller:
     ssd_cores_ratio: float | None = None  # all cores / SSD's target cores; None: no SSD worker (yet)
     ssd_branches: int = 1  # branches the worker pre-drafts per request (its fan-out's sum)
     ssd_slowdown: float | None = None  # measured: SSD's verification / the same pass on all cores
-    ssd_hits: list[int] = field(default_factory=lambda: [0, 0])  # sequence rounds that hit, that missed
-    ssd_tokens: list[int] = field(default_factory=lambda: [0, 0])  # ... and the tokens they committed
+    ssd_cache: CacheHits | None = None  # the SSD proposer's count of its cache hits; None: no worker yet
     bucket_rounds: Counter = field(default_factory=Counter)  # measured rounds per (batch bucket, sampling)
     last_measured: dict[tuple[int, bool, Option], int] = field(default_factory=dict)  # ... at its latest round
     refresh_after: dict[tuple[int, bool, Option], int] = field(default_factory=dict)  # rounds before a refresh (is_stale)
@@ -152,6 +151,18 @@ class Controller:
     @property
     def tried(self) -> list[float]:
         return self.verified[self.sampling][1]
+
+    def for_round(self, sampling: bool) -> None:
+        """The kind of the round about to be chosen and recorded: sampling (any sequence at T > 0) or greedy."""
+        self.sampling = sampling
+
+    def offer_ssd(self, cores_ratio: float | None) -> None:
+        """SSD is a choice, its target on 1 / cores_ratio of the cores (None: no worker is up)."""
+        self.ssd_cores_ratio = cores_ratio
+
+    def take_ssd(self, cores_ratio: float, branches: int, cache: CacheHits) -> None:
+        """SSD's worker is up: the branches it pre-drafts per request, and its proposer's count of hits."""
+        self.ssd_cores_ratio, self.ssd_branches, self.ssd_cache = cores_ratio, branches, cache
 
     def bucket(self, batch: int) -> tuple[int, bool]:
         """What measured rates are pooled by: the batch's bucket and the kind of round."""
@@ -225,10 +236,10 @@ class Controller:
 
     def _predicted_ssd(self, batch: int, target: float, step: float, slowdown: float) -> float:
         k = self.max_k
-        hits, misses = self.ssd_hits
-        p = (hits + 4 * PRIOR_HIT_RATE) / (hits + misses + 4)
-        e_hit = self.ssd_tokens[0] / hits if hits else self.expected_tokens(k)
-        e_miss = self.ssd_tokens[1] / misses if misses else self.expected_tokens(k)
+        cache = self.ssd_cache or CacheHits()
+        p = (cache.hits + 4 * PRIOR_HIT_RATE) / (cache.rounds + 4)
+        e_hit, e_miss = (tokens if (tokens := cache.tokens_after(hit)) is not None else self.expected_tokens(k)
+                         for hit in (True, False))
         fill = self.draft_step(batch * self.ssd_branches) * k  # all branches, hidden only while it fits
         return batch * (p * e_hit + (1 - p) * e_miss) / (slowdown * max(target, fill) + (1 - p) * k * step)
 
@@ -390,20 +401,15 @@ class Controller:
         if self.target.add(rows, seconds):
             self.draft_step.drop_restored()
 
-    def record_ssd(self, batch: int, verify_s: float, wait_s: float, hits: list[bool | None],
-                   committed: list[int]) -> None:
-        """One SSD round after the first of its stint: per sequence, whether the worker had its
-        speculation cached (None: its first round) and the tokens it committed."""
+    def record_ssd(self, batch: int, verify_s: float, wait_s: float, committed: int) -> None:
+        """One SSD round after the first of its stint: its verification, the target's wait for
+        the worker and the tokens it committed (its hits are the SSD proposer's count, ssd_cache)."""
         full = self.target(batch * (self.max_k + 1))
         if full:
             slowdown = verify_s / full
             self.ssd_slowdown = slowdown if self.ssd_slowdown is None else \
                 self.ssd_slowdown + EMA * (slowdown - self.ssd_slowdown)
-        for hit, tokens in zip(hits, committed):
-            if hit is not None:
-                self.ssd_hits[not hit] += 1
-                self.ssd_tokens[not hit] += tokens
-        self._measure(batch, SSD, sum(committed), verify_s + wait_s)
+        self._measure(batch, SSD, committed, verify_s + wait_s)
 
     def profile(self) -> dict:
         """What a later process on this machine may start from: the pass costs and the acceptance."""
@@ -493,7 +499,7 @@ class AutoPolicy:
         self.draft = draft
         k = draft.drafter.k
         self.max_k = max([k] + [t.span for t in trees])  # what the engine reserves KV slots for
-        self.controller = Controller(k, trees=list(trees))
+        self.controller = Controller(k, trees=list(trees), ssd_branches=ssd.branches if ssd is not None else 1)
         self.profile = profile  # where the controller's profile is kept for the next process (see read_profile)
         if profile is not None:
             if (earlier := read_profile(profile)) is not None:
@@ -506,10 +512,8 @@ class AutoPolicy:
         self.placement = ssd.placement if ssd is not None else None
         self.worker_loading = False
         self.rounds = 0
-        if ssd is not None:
-            self.controller.ssd_branches = ssd.branches
-            if ssd.on_own_hardware:
-                self._start_ssd()
+        if ssd is not None and ssd.on_own_hardware:
+            self._start_ssd()
 
     def proposers(self) -> list[Proposer]:
         return [self.draft] if self.ssd is None else [self.draft, self.ssd]
@@ -525,7 +529,7 @@ class AutoPolicy:
     def choose(self, seqs: list[Sequence]) -> Choice:
         self._adopt_ssd()
         self.rounds += 1
-        self.controller.sampling = not all(s.params.greedy for s in seqs)
+        self.controller.for_round(sampling=not all(s.params.greedy for s in seqs))
         if self.profile is not None and self.rounds % PROFILE_ROUNDS == 0:
             write_profile(self.controller, self.profile)
         if self.launcher is not None and self.rounds % SSD_CHECK_ROUNDS == 1 and \
@@ -544,8 +548,7 @@ class AutoPolicy:
         proposal, batch = record.proposal, len(record.seqs)
         if record.choice.name == "ssd":
             if proposal is not None and self.controller.stint > 1:  # a measured SSD round
-                self.controller.record_ssd(batch, record.verify_s, record.propose_s, proposal.hits,
-                                           [len(s) - n for s, n in zip(record.seqs, record.lengths_before)])
+                self.controller.record_ssd(batch, record.verify_s, record.propose_s, record.committed)
             return
         if record.choice.tree is not None and proposal is not None:
             self.controller.record_tree(batch, record.choice.tree, record.verify_s, record.propose_s, record.committed,
@@ -563,7 +566,7 @@ class AutoPolicy:
         """Takes SSD's proposer once its worker is up (a worker that failed to start leaves auto
         without SSD, with a warning); SSD is no choice while no worker is up."""
         if self.ssd is not None:
-            self.controller.ssd_cores_ratio = self.placement.share.ratio if self.ssd.available else None
+            self.controller.offer_ssd(self.placement.share.ratio if self.ssd.available else None)
         if self.ssd_starting is None or not self.ssd_starting.done():
             return
         starting, self.ssd_starting = self.ssd_starting, None
@@ -576,8 +579,7 @@ class AutoPolicy:
         except Exception as e:
             warnings.warn(f"method=auto continues without SSD: its draft worker did not start ({e})", RuntimeWarning)
             return
-        self.controller.ssd_cores_ratio = self.placement.share.ratio
-        self.controller.ssd_branches = max(1, sum(self.ssd.fan_out))
+        self.controller.take_ssd(self.placement.share.ratio, max(1, sum(self.ssd.fan_out)), self.ssd.stats.cache)
 
     def wait_for_ssd(self, start: bool = False) -> None:
         """Blocks until SSD's worker is up (or failed to start); start: starts it first if auto
