@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from saguaro.speculation.policy.planning import (SpeedModel, acceptance_rate, fit_power_law, geometric_fan_out, outcome_probs,
-                                  uniform_fan_out)
+from saguaro.speculation.policy.planning import (SpeedModel, acceptance_rate, critical_batch_size, fit_power_law,
+                                                 geometric_fan_out, outcome_probs, uniform_fan_out)
 
 
 @pytest.mark.parametrize("budget, k, a, r", [(16, 5, 0.75, 0.6), (16, 5, 0.4, 0.6), (30, 3, 0.9, 1.5), (7, 2, 0.5, 1.0)])
@@ -42,11 +42,11 @@ def test_power_law_fit_recovers_r():
 
 def test_fast_backup_wins_only_from_the_critical_batch_size_on():
     model = SpeedModel(p_hit=0.8, e_hit=3.5, e_neural=3.5, e_fast=1.0, t_p=0.9, t_neural=0.8)
-    b_star = model.critical_batch_size()
+    b_star = critical_batch_size(model.fast_wins)
     assert b_star == 2  # neural 3.02 vs fast 3.00 at b=1; 2.72 vs 3.00 at b=2
     assert model.speedup(1, "neural") > model.speedup(1, "fast")
     assert model.speedup(2, "fast") > model.speedup(2, "neural")
-    assert SpeedModel(1.0, 3.0, 3.0, 1.0, 0.5, 0.8).critical_batch_size() > 64  # no misses: never fast
+    assert critical_batch_size(SpeedModel(1.0, 3.0, 3.0, 1.0, 0.5, 0.8).fast_wins) is None  # no misses: never fast
 
 
 def test_branch_budget_follows_the_measured_fill_time():

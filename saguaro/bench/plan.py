@@ -95,7 +95,7 @@ def forecast_markdown(profile: HardwareProfile, batch_sizes: list[int]) -> str:
         lines.append(f"| {batch} | {f.ar_tok_s:.1f} | {f.sd_tok_s:.1f} ({f.sd_k}) | {f.ssd_tok_s:.1f} "
                      f"({f.ssd_backup}, {f.ssd_fan_out}, {f.ssd_t_p:.2f}) | {f.ssd_tok_s / f.sd_tok_s:.2f} | "
                      f"{ar:.1f} / {sd:.1f} / {ssd:.1f} |")
-    b_star = critical_batch_size(profile)
+    b_star = critical_batch_size(profile.fast_wins)
     lines += ["", f"b* (SSD's fast backup wins from here): {b_star if b_star is not None else 'above 256'}. "
               "Totals over the batch; per device divides AR and SD by the target's devices, SSD by the "
               "target's and the draft's. F: branches a sequence; T_p: the worker's fill / a verification (above 1: not hidden)."]

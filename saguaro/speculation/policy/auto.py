@@ -3,11 +3,12 @@
 Before every round the controller predicts, at the round's batch size b, the committed tokens
 per second of each choice: no speculation (K = 0) or SD with K = 1..K_max draft tokens, both on
 all the cores, and, once its draft worker is up, SSD (K_max, with SSD's own fan-out and backup
-planning), whose target keeps only the cores the worker does not hold:
+planning), whose target keeps only the cores the worker does not hold (the rate model is
+planning.py's `sd_rate` and `ssd_rate`, which `saguaro plan` and SSD's backup choice use too):
 
     rate(b, K)   = b * E_K / (t_target(b * (K + 1)) + K * t_step(b))
     rate(b, SSD) = b * (p E_hit + (1 - p) E_miss) / (s * max(t_target(b * (K + 1)), K * t_step(b * F))
-                                                     + (1 - p) * K * t_step(b))
+                                                     + (1 - p^b) * K * t_step(b))
 
 SD with token trees (saguaro.engine.tree; the configured tree, else `auto_trees`) is a choice
 too, for a draft model that is not EAGLE-style:
@@ -24,8 +25,8 @@ about the last 100 SD rounds, greedy rounds and rounds that sample counted apart
 t_target(n) is the target's pass over n token rows and t_step(b) one draft step over b
 sequences, both read off the passes measured so far (interpolated in the number of rows, so a
 batch size never seen borrows from its neighbours). For SSD, p is its cache hit rate, E_hit and
-E_miss the tokens a round commits after a hit and after a miss (a miss waits for the backup
-draft), F the branches the worker pre-drafts per request (the fill hides behind verification
+E_miss the tokens a round commits after a hit and after a miss (a round where any sequence
+missed waits for the backup draft), F the branches the worker pre-drafts per request (the fill hides behind verification
 only while it is the shorter), and s how much slower a pass runs on SSD's share of the cores
 than on all of them: sqrt(cores / SSD's cores) until SSD has run (a small model's pass scales
 sublinearly with threads), then measured.
@@ -60,7 +61,7 @@ from saguaro.config import TreeShape
 from saguaro.engine.round import AR, CacheHits, Choice, Proposer, RoundRecord
 from saguaro.engine.sequence import Sequence
 from saguaro.speculation.local.proposer import DraftProposer
-from saguaro.speculation.policy.planning import EMA, RowCosts
+from saguaro.speculation.policy.planning import EMA, RowCosts, expected_tokens, sd_rate, ssd_rate
 from saguaro.speculation.remote.proposer import RemoteProposer
 from saguaro.system import CorePlacement
 
@@ -187,13 +188,9 @@ class Controller:
         rebuilt only when a verification changed the acceptance: every round reads it for each
         choice."""
         if self.sampling not in self._expected:
-            share, table = self.looked_up(), [1.0]
-            model, lookup = self.acceptance(), self.acceptance(lookup=True)
-            run_model = run_lookup = 1.0
-            for a, b in zip(model, lookup):
-                run_model, run_lookup = run_model * a, run_lookup * b
-                table.append(table[-1] + (1 - share) * run_model + share * run_lookup)
-            self._expected[self.sampling] = table
+            share, model, lookup = self.looked_up(), self.acceptance(), self.acceptance(lookup=True)
+            self._expected[self.sampling] = [(1 - share) * expected_tokens(model, n) + share * expected_tokens(lookup, n)
+                                             for n in range(self.max_k + 1)]
         return self._expected[self.sampling][k]
 
     def tree_expected_tokens(self, tree: TreeShape) -> float:
@@ -219,7 +216,7 @@ class Controller:
         if target is None or step is None:
             return None
         if choice != SSD:  # the draft model runs unless prompt lookup proposed for every sequence
-            return batch * self.expected_tokens(k) / (target + k * step * (1 - self.looked_up() ** batch))
+            return sd_rate(batch, self.expected_tokens(k), target, k * step * (1 - self.looked_up() ** batch))
         return self._predicted_ssd(batch, target, step, self.ssd_slowdown or math.sqrt(self.ssd_cores_ratio))
 
     def _predicted_tree(self, batch: int, tree: TreeShape) -> float | None:
@@ -232,7 +229,7 @@ class Controller:
             draft = tree.depth * step
         if target is None or draft is None:
             return None
-        return batch * self.tree_expected_tokens(tree) / (target + draft * (1 - self.looked_up() ** batch))
+        return sd_rate(batch, self.tree_expected_tokens(tree), target, draft * (1 - self.looked_up() ** batch))
 
     def _predicted_ssd(self, batch: int, target: float, step: float, slowdown: float) -> float:
         k = self.max_k
@@ -241,7 +238,7 @@ class Controller:
         e_hit, e_miss = (tokens if (tokens := cache.tokens_after(hit)) is not None else self.expected_tokens(k)
                          for hit in (True, False))
         fill = self.draft_step(batch * self.ssd_branches) * k  # all branches, hidden only while it fits
-        return batch * (p * e_hit + (1 - p) * e_miss) / (slowdown * max(target, fill) + (1 - p) * k * step)
+        return ssd_rate(batch, p, e_hit, e_miss, slowdown * target, slowdown * fill, k * step)
 
     def ssd_would_pay(self, batch: int, cores_ratio: float) -> bool:
         """Whether SSD, its worker holding 1 - 1 / cores_ratio of the target's cores, is predicted

@@ -23,7 +23,7 @@ from saguaro.engine.sequence import Sequence
 from saguaro.engine.verify import point_masses
 from saguaro.models.llama import scatter_to_vocab
 from saguaro.speculation.local.drafters import FeatureLog
-from saguaro.speculation.policy.planning import GeometricPlan, SpeedModel
+from saguaro.speculation.policy.planning import GeometricPlan, SpeedModel, critical_batch_size
 from saguaro.speculation.protocol import Speculation, dense_probs
 from saguaro.speculation.remote.pool import DraftPool
 from saguaro.system import CorePlacement
@@ -282,7 +282,8 @@ class RemoteProposer:
         tried = {kind: len(lengths) for kind, lengths in self.stats.miss_lengths.items()}
         if min(tried.values()) < EXPLORE_MISSES:
             return Backup(min(tried, key=tried.get))
-        return Backup.NEURAL if batch_size < self.speed_model().critical_batch_size() else Backup.FAST
+        b_star = critical_batch_size(self.speed_model().fast_wins)
+        return Backup.FAST if b_star is not None and batch_size >= b_star else Backup.NEURAL
 
     def close(self) -> None:
         """Stops the draft workers (also done at exit) and gives back the cores they had."""
