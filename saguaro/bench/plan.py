@@ -32,21 +32,11 @@ class PlanRow:
 def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, choice: Option) -> float:
     """Committed tokens per second of the decoding rounds the controller measures (the target's
     prefill and an SSD stint's first round left out), with its choice fixed."""
-    controller = llm.decoder.policy.controller
-    committed, seconds = 0, 0.0
-    measure_round = controller._measure
-
-    def counting(batch, choice, tokens, round_s):
-        nonlocal committed, seconds
-        committed, seconds = committed + tokens, seconds + round_s
-        measure_round(batch, choice, tokens, round_s)
-
-    controller.choose = lambda batch, can_try=True: controller._pick(choice)
-    controller._measure = counting
-    try:
+    auto = llm.decoder.policy
+    before = list(auto.estimates.totals.get(choice, (0.0, 0.0)))
+    with auto.fixed_choice(choice):
         llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del controller.choose, controller._measure
+    committed, seconds = (now - then for now, then in zip(auto.estimates.totals.get(choice, (0.0, 0.0)), before))
     return committed / seconds if seconds else 0.0
 
 
