@@ -1,4 +1,5 @@
-"""The cores this process runs on: what SSD's worker and the target share on one machine."""
+"""The cores this process runs on: what SSD's worker and the target share on one machine, and
+the one object that pins them (CorePlacement)."""
 from __future__ import annotations
 
 import os
@@ -40,3 +41,29 @@ class CoreShare:
     @property
     def ratio(self) -> float:
         return self.all[1] / self.ssd[1]
+
+
+class CorePlacement:
+    """The one owner of this process's pinning while SSD's worker holds some of its cores: made
+    where the worker's cores are chosen (saguaro.speculation.build), then asked for by the SSD
+    proposer and by auto. It pins only where the process is not already where it should be,
+    so an SSD round costs a look at the affinity, not a re-pin; a caller that moved the process
+    meanwhile (a benchmark taking turns between methods) is still followed."""
+
+    def __init__(self, share: CoreShare):
+        self.share = share
+
+    def for_ssd(self) -> None:
+        """The target on the cores the worker leaves it."""
+        self._pin(self.share.ssd)
+
+    def for_all(self) -> None:
+        """The target on all the cores: AR and SD rounds, and once SSD's worker is gone."""
+        self._pin(self.share.all)
+
+    @staticmethod
+    def _pin(where: tuple[set[int], int]) -> None:
+        cores, threads = where
+        pinned = not hasattr(os, "sched_getaffinity") or os.sched_getaffinity(0) == cores
+        if not pinned or torch.get_num_threads() != threads:
+            use_cores(cores, threads)

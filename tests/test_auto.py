@@ -20,18 +20,20 @@ from saguaro import LLM, SamplingParams
 from saguaro.bench import plan
 from saguaro.config import SpeculativeConfig
 import saguaro.engine.verifier as verification
-from saguaro.engine.round import Decoder
+from saguaro.engine.round import CacheHits, Decoder, RowRecord
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.checkpoint import save_checkpoint
 from saguaro.speculation.policy import auto as auto_module
+from saguaro.speculation.policy import estimates as estimates_module
 from saguaro.speculation import build
 from saguaro.speculation.build import sd_drafter
-from saguaro.speculation.policy.auto import (REFRESH_ROUNDS, SSD, SSD_MIN_ROUNDS, Controller, RowCosts, SSDLauncher,
-                                             batch_bucket)
+from saguaro.speculation.policy.auto import REFRESH_ROUNDS, SSD, SSD_MIN_ROUNDS, Controller, SSDLauncher
+from saguaro.speculation.policy.estimates import Estimates, batch_bucket
+from saguaro.speculation.policy.planning import RowCosts
 from saguaro.speculation.remote.pool import DraftPool
 from saguaro.speculation.remote.proposer import RemoteProposer
-from saguaro.system import CoreShare, usable_cores, use_cores
+from saguaro.system import CorePlacement, CoreShare, usable_cores, use_cores
 from stats import ks_pvalue, teacher_forced_pit
 from test_exactness import (ALPHA, TINY_K, TINY_V, draft, residual_is_p, sampled, target, tiny_outputs,  # noqa: F401
                              tiny_prompts)
@@ -55,7 +57,7 @@ def measured(controller: Controller, batch: int, target_s, step_s: float, accept
     (the first round of each is a warm-up)."""
     for k in [k for k in range(controller.max_k + 1) for _ in range(2)]:
         accepted = int(acceptance * k)
-        controller.record(batch, k, target_s(batch * (k + 1)), k * step_s, [accepted] * batch, batch * (accepted + 1))
+        controller.estimates.record(batch, k, target_s(batch * (k + 1)), k * step_s, [accepted] * batch, batch * (accepted + 1))
 
 
 def test_controller_speculates_where_it_pays_and_not_where_it_does_not():
@@ -82,15 +84,15 @@ def test_controller_keeps_its_choice_within_the_hysteresis():
 def test_controller_measures_ar_and_speculation_before_choosing():
     controller = Controller(max_k=4)
     assert controller.choose(3) == 0  # nothing measured: AR
-    controller.record(3, 0, 0.3, 0.0, [], 3)
+    controller.estimates.record(3, 0, 0.3, 0.0, [], 3)
     assert controller.choose(3) == 0  # a first round is a warm-up: AR again
-    controller.record(3, 0, 0.03, 0.0, [], 3)
+    controller.estimates.record(3, 0, 0.03, 0.0, [], 3)
     assert controller.choose(3) == 4  # then the most speculation, for the draft's cost
     assert controller.switches == 1
-    controller.record(3, 4, 0.5, 0.2, [4, 4, 4], 15)
+    controller.estimates.record(3, 4, 0.5, 0.2, [4, 4, 4], 15)
     assert controller.choose(3) == 4  # its cost is measured from its second round on
-    controller.record(3, 4, 0.05, 0.02, [0, 0, 0], 3)
-    assert controller.draft_step(3) == pytest.approx(0.005) and controller.target(15) == pytest.approx(0.05)
+    controller.estimates.record(3, 4, 0.05, 0.02, [0, 0, 0], 3)
+    assert controller.estimates.draft_step(3) == pytest.approx(0.005) and controller.estimates.target(15) == pytest.approx(0.05)
 
 
 def test_a_measured_rate_takes_over_from_a_biased_prediction(monkeypatch):
@@ -98,12 +100,12 @@ def test_a_measured_rate_takes_over_from_a_biased_prediction(monkeypatch):
     quarter slower than the best: here K = 1, measured at 123 tok/s and predicted at half that,
     against K = 2, measured at 95 and predicted at twice that. The prediction counted as 4
     rounds against the decayed sum of the 25 (14), and kept K = 2 ahead."""
-    controller = Controller(max_k=2, target=RowCosts.of({1: 0.02, 3: 0.025}), draft_step=RowCosts.of({1: 0.002}))
+    controller = Controller(2, Estimates(2, target=RowCosts.of({1: 0.02, 3: 0.025}), draft_step=RowCosts.of({1: 0.002})))
     measured_tok_s, predicted_tok_s = {0: 50.0, 1: 123.0, 2: 95.0}, {0: 50.0, 1: 61.5, 2: 190.0}
     monkeypatch.setattr(controller, "predicted_rate", lambda batch, choice: predicted_tok_s[choice])
     for choice, rate in measured_tok_s.items():
         for _ in range(26):  # the first is a warm-up
-            controller._measure(1, choice, 3, 3 / rate)
+            controller.estimates._measure(1, choice, 3, 3 / rate)
     assert controller.choose(1) == 1
 
 
@@ -126,7 +128,7 @@ def test_a_choice_that_stays_behind_is_refreshed_ever_more_rarely():
         choice = controller.choose(4)
         if choice:
             refreshes.append(i)
-        controller.record(4, choice, flat(4 * (choice + 1)), choice * 0.004, [0] * 4, 4)
+        controller.estimates.record(4, choice, flat(4 * (choice + 1)), choice * 0.004, [0] * 4, 4)
     gaps = [b - a for a, b in zip(refreshes, refreshes[1:])]
     assert len(refreshes) == 3 and gaps[1] > 1.8 * gaps[0]
 
@@ -137,11 +139,11 @@ def test_greedy_and_sampling_rounds_keep_their_own_acceptance_and_rates():
     flat = lambda rows: 0.010 + 0.0005 * rows  # noqa: E731
     controller = Controller(max_k=4)
     measured(controller, 1, flat, 0.001, 1.0)  # greedy: every draft accepted
-    controller.sampling = True
+    controller.estimates.sampling = True
     measured(controller, 1, flat, 0.001, 0.0)  # sampling: none
-    assert controller.expected_tokens(4) < 1.5 and controller.choose(1) == 0
-    controller.sampling = False
-    assert controller.expected_tokens(4) > 4.5 and controller.choose(1) == 4
+    assert controller.estimates.expected_tokens(4) < 1.5 and controller.choose(1) == 0
+    controller.estimates.sampling = False
+    assert controller.estimates.expected_tokens(4) > 4.5 and controller.choose(1) == 4
 
 
 def test_the_acceptance_follows_recent_rounds():
@@ -149,8 +151,8 @@ def test_the_acceptance_follows_recent_rounds():
     recent rounds' (all counts pooled, it would still read 0.6)."""
     controller = Controller(max_k=1)
     for accepted in [1] * 300 + [0] * 200:
-        controller.record(1, 1, 0.01, 0.001, [accepted], accepted + 1)
-    assert controller.acceptance()[0] < 0.2
+        controller.estimates.record(1, 1, 0.01, 0.001, [accepted], accepted + 1)
+    assert controller.estimates.acceptance()[0] < 0.2
 
 
 def test_a_restored_profile_spares_a_new_process_its_first_measurements():
@@ -162,10 +164,10 @@ def test_a_restored_profile_spares_a_new_process_its_first_measurements():
     for _ in range(50):
         measured(measured_one, 1, flat, 0.001, 1.0)
     restored = Controller(max_k=4)
-    restored.start_from(json.loads(json.dumps(measured_one.profile())))
+    restored.estimates.start_from(json.loads(json.dumps(measured_one.estimates.profile())))
     assert [restored.predicted_rate(1, k) for k in range(5)] == \
         pytest.approx([measured_one.predicted_rate(1, k) for k in range(5)], rel=0.02)
-    assert max(restored.tried) <= auto_module.PROFILE_WEIGHT < max(measured_one.tried)
+    assert max(restored.estimates.tried) <= estimates_module.PROFILE_WEIGHT < max(measured_one.estimates.tried)
     assert restored.choose(1) == 4
     assert Controller(max_k=4).choose(1) == 0  # control
 
@@ -199,16 +201,16 @@ def test_a_round_that_waited_counts_for_its_rate_not_for_its_passes_costs():
     waited, control = Controller(max_k=1), Controller(max_k=1)
     for controller, flag in ((waited, True), (control, False)):
         for _ in range(2):  # a warm-up, then a measurement
-            controller.record(1, 1, 0.004, 0.001, [1], 2)
+            controller.estimates.record(1, 1, 0.004, 0.001, [1], 2)
         for _ in range(3):
-            controller.record(1, 1, 0.012, 0.004, [1], 2, waited=flag)
-    assert waited.target(2) == pytest.approx(0.004) and waited.draft_step(1) == pytest.approx(0.001)
-    assert waited.was_measured(1, 1) and waited.measured[(1, False, 1)][2] > 3
-    assert control.target(2) > 0.006 and control.draft_step(1) > 0.002
+            controller.estimates.record(1, 1, 0.012, 0.004, [1], 2, waited=flag)
+    assert waited.estimates.target(2) == pytest.approx(0.004) and waited.estimates.draft_step(1) == pytest.approx(0.001)
+    assert waited.estimates.was_measured(1, 1) and waited.estimates.measured[(1, False, 1)][2] > 3
+    assert control.estimates.target(2) > 0.006 and control.estimates.draft_step(1) > 0.002
     fresh = Controller(max_k=1)
     for _ in range(3):
-        fresh.record(1, 1, 0.012, 0.004, [1], 2, waited=True)
-    assert fresh.target(2) == pytest.approx(0.012) and fresh.draft_step(1) == pytest.approx(0.004)
+        fresh.estimates.record(1, 1, 0.012, 0.004, [1], 2, waited=True)
+    assert fresh.estimates.target(2) == pytest.approx(0.012) and fresh.estimates.draft_step(1) == pytest.approx(0.004)
 
 
 def test_a_round_whose_thread_did_not_run_throughout_is_marked_waited(target, monkeypatch):
@@ -237,7 +239,7 @@ def inflated_profile(true_cost, slowdown: dict[int, float], acceptance: float) -
     source = Controller(max_k=3)
     for _ in range(20):
         measured(source, 1, lambda rows: true_cost(rows) * slowdown.get(rows, 1.0), 0.0005, acceptance)
-    return json.loads(json.dumps(source.profile()))
+    return json.loads(json.dumps(source.estimates.profile()))
 
 
 @pytest.mark.parametrize("sd_pays", [True, False])
@@ -248,13 +250,13 @@ def test_a_process_started_from_slow_costs_finds_sd_again(sd_pays):
     accepted). Control: where it does not (every row costs as much as a step), AR stays."""
     true_cost = (lambda rows: 0.004 + 0.0001 * rows) if sd_pays else (lambda rows: 0.004 * rows)  # noqa: E731
     controller = Controller(max_k=3)
-    controller.start_from(inflated_profile(true_cost, {1: 1.6, 2: 2.5, 3: 2.5, 4: 2.5}, 0.5))
+    controller.estimates.start_from(inflated_profile(true_cost, {1: 1.6, 2: 2.5, 3: 2.5, 4: 2.5}, 0.5))
     choices = []
     for _ in range(200):
         k = controller.choose(1)
         choices.append(k)
         accepted = [min(k, 1)] if k else []  # about half of a K's drafts accepted
-        controller.record(1, k, true_cost(k + 1), 0.0005 * k, accepted, 1 + (accepted[0] if accepted else 0))
+        controller.estimates.record(1, k, true_cost(k + 1), 0.0005 * k, accepted, 1 + (accepted[0] if accepted else 0))
     late = choices[100:]
     assert (sum(k > 0 for k in late) > 90) == sd_pays, late
 
@@ -264,13 +266,13 @@ def test_auto_leaves_its_profile_for_the_next_decoder(target, draft, tmp_path):
     drafter = lambda: sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=TINY_K, prompt_lookup=0))  # noqa: E731
     first = build.auto_decoder(target, drafter(), profile=path)
     tiny_outputs(first, sampled(0.0, rows=2))
-    costs = first.policy.controller.target.rows
+    costs = first.policy.controller.estimates.target.rows
     del first
     gc.collect()  # the profile is written when the decoder goes (and every PROFILE_ROUNDS rounds)
     second = build.auto_decoder(target, drafter(), profile=path)
-    assert costs and second.policy.controller.target.rows == costs
+    assert costs and second.policy.controller.estimates.target.rows == costs
     path.write_text("{not json")
-    assert auto_module.read_profile(path) is None and not build.auto_decoder(target, drafter(), profile=path).policy.controller.target.rows
+    assert estimates_module.read_profile(path) is None and not build.auto_decoder(target, drafter(), profile=path).policy.controller.estimates.target.rows
 
 
 def test_a_draft_catching_up_on_ar_rounds_does_not_set_the_draft_steps_cost(target, draft):
@@ -280,8 +282,8 @@ def test_a_draft_catching_up_on_ar_rounds_does_not_set_the_draft_steps_cost(targ
     decoder = auto_decoder(target, draft, [1, 0, 0, 0] + [1] * 30)
     flags = []
     controller = decoder.policy.controller
-    record = controller.record
-    controller.record = lambda *args: (flags.append((args[1], args[7])), record(*args))
+    record = controller.estimates.record
+    controller.estimates.record = lambda *args: (flags.append((args[1], args[7])), record(*args))
     tiny_outputs(decoder, sampled(0.0, rows=2))
     sd_rounds = [steady for k, steady in flags if k]
     assert len(sd_rounds) >= 3 and sd_rounds[0] and sd_rounds[1] == 0 and all(sd_rounds[2:])
@@ -294,12 +296,12 @@ def test_a_round_where_lookup_proposed_for_some_sequences_sets_the_step_cost_of_
     both (no model step) sets nothing."""
     controller = Controller(max_k=3)
     for _ in range(2):  # the first round at a row count is a warm-up
-        controller.record(2, 3, 0.01, 0.003, [0], 5, steady_rows=1, lookup_lens=[3])
-    assert controller.draft_step.rows == [1] and controller.draft_step(1) == pytest.approx(0.001)
+        controller.estimates.record(2, 3, 0.01, 0.003, [0], 5, steady_rows=1, lookup_lens=[3])
+    assert controller.estimates.draft_step.rows == [1] and controller.estimates.draft_step(1) == pytest.approx(0.001)
     control = Controller(max_k=3)
     for _ in range(2):
-        control.record(2, 3, 0.01, 0.0, [], 8, steady_rows=0, lookup_lens=[3, 3])
-    assert control.draft_step(1) is None
+        control.estimates.record(2, 3, 0.01, 0.0, [], 8, steady_rows=0, lookup_lens=[3, 3])
+    assert control.estimates.draft_step(1) is None
 
 
 def test_prompt_lookups_proposals_are_counted_apart_from_the_draft_models():
@@ -308,13 +310,13 @@ def test_prompt_lookups_proposals_are_counted_apart_from_the_draft_models():
     proposed for everyone would cost no draft step."""
     controller = Controller(max_k=3)
     for _ in range(100):
-        controller.record(2, 3, 0.01, 0.003, [0], 5, lookup_lens=[3])
-    assert controller.acceptance()[0] < 0.05 and min(controller.acceptance(lookup=True)) > 0.95
-    assert controller.looked_up() == pytest.approx(0.5)
-    assert controller.expected_tokens(3) == pytest.approx(1 + 0.5 * 3, abs=0.1)
-    controller.lookup_share[False] = [1.0, 1.0]
-    controller._expected.clear()
-    assert controller.predicted_rate(1, 3) == pytest.approx(controller.expected_tokens(3) / controller.target(4))
+        controller.estimates.record(2, 3, 0.01, 0.003, [0], 5, lookup_lens=[3])
+    assert controller.estimates.acceptance()[0] < 0.05 and min(controller.estimates.acceptance(lookup=True)) > 0.95
+    assert controller.estimates.looked_up() == pytest.approx(0.5)
+    assert controller.estimates.expected_tokens(3) == pytest.approx(1 + 0.5 * 3, abs=0.1)
+    controller.estimates.lookup_share[False] = [1.0, 1.0]
+    controller.estimates._expected.clear()
+    assert controller.predicted_rate(1, 3) == pytest.approx(controller.estimates.expected_tokens(3) / controller.estimates.target(4))
 
 
 def test_a_stale_measurement_is_taken_again():
@@ -325,12 +327,12 @@ def test_a_stale_measurement_is_taken_again():
     controller = Controller(max_k=1)
     measured(controller, 4, flat, 0.004, 0.0)
     for _ in range(3):
-        controller.record(4, 0, 3 * flat(4), 0.0, [], 4)  # AR's rounds while the machine was busy
+        controller.estimates.record(4, 0, 3 * flat(4), 0.0, [], 4)  # AR's rounds while the machine was busy
     choices = []
     for _ in range(4 * REFRESH_ROUNDS):
         choice = controller.choose(4)
         choices.append(choice)
-        controller.record(4, choice, flat(4 * (choice + 1)), choice * 0.004, [0] * 4, 4)
+        controller.estimates.record(4, choice, flat(4 * (choice + 1)), choice * 0.004, [0] * 4, 4)
     assert choices[:REFRESH_ROUNDS] == [1] * REFRESH_ROUNDS  # AR's rate is not yet stale
     assert choices[REFRESH_ROUNDS + 1] == 0  # measured again, AR takes over ...
     assert choices[REFRESH_ROUNDS + 1:].count(1) <= 3  # ... but for SD's own refresh rounds
@@ -338,7 +340,7 @@ def test_a_stale_measurement_is_taken_again():
     measured(far_behind, 4, lambda rows: 0.004 * rows, 0.020, 0.0)  # SD: nothing accepted, a costly draft
     for _ in range(3 * REFRESH_ROUNDS):
         assert far_behind.choose(4) == 0
-        far_behind.record(4, 0, 0.016, 0.0, [], 4)
+        far_behind.estimates.record(4, 0, 0.016, 0.0, [], 4)
 
 
 def test_no_try_while_the_batch_holds_requests_the_draft_has_not_seen():
@@ -348,10 +350,10 @@ def test_no_try_while_the_batch_holds_requests_the_draft_has_not_seen():
     flat = lambda rows: 0.010 + 0.001 * rows  # noqa: E731
     controller = Controller(max_k=1)
     for _ in range(2):  # half the drafts accepted: K = 1 predicted at ~0.9 of AR
-        controller.record(4, 0, flat(4), 0.0, [], 4)
-        controller.record(4, 1, flat(8), 0.0053, [0, 1, 0, 1], 6)
-    controller.measured = {key: value for key, value in controller.measured.items() if key[2] == 0}
-    assert not controller.was_measured(4, 1)
+        controller.estimates.record(4, 0, flat(4), 0.0, [], 4)
+        controller.estimates.record(4, 1, flat(8), 0.0053, [0, 1, 0, 1], 6)
+    controller.estimates.measured = {key: value for key, value in controller.estimates.measured.items() if key[2] == 0}
+    assert not controller.estimates.was_measured(4, 1)
     assert controller.rate(4, 1) >= auto_module.EXPLORE_WITHIN * controller.rate(4, 0)
     assert controller.choose(4, can_try=False) == 0
     assert controller.choose(4) == 1
@@ -388,7 +390,7 @@ def tried_at_batch_16() -> set:
     for _ in range(100):
         choice = controller.choose(16)
         tried.add(choice)
-        controller.record(16, choice, steep(16 * (choice + 1)), choice * 0.0005, [choice] * 16, 16 * (choice + 1))
+        controller.estimates.record(16, choice, steep(16 * (choice + 1)), choice * 0.0005, [choice] * 16, 16 * (choice + 1))
     return tried
 
 
@@ -402,15 +404,22 @@ def test_the_drafters_first_run_of_a_prompt_is_charged_to_sds_rate_and_not_to_it
     charged, free = Controller(max_k=2), Controller(max_k=2)
     for controller, prefill_s in ((charged, 0.5), (free, 0.0)):
         for prefill in [0.0, prefill_s] + [0.0] * 8:  # a warm-up round, then the new request's first
-            controller.record(1, 2, 0.02, 0.004, [2], 3, prefill)
-    assert charged.draft_step(1) == free.draft_step(1) == pytest.approx(0.002)
+            controller.estimates.record(1, 2, 0.02, 0.004, [2], 3, prefill)
+    assert charged.estimates.draft_step(1) == free.estimates.draft_step(1) == pytest.approx(0.002)
     assert charged.rate(1, 2) < 0.8 * free.rate(1, 2)
 
 
 def ssd_rounds(controller: Controller, batch: int, verify_s: float, hit_rate: float, tokens_on_hit: int) -> None:
+    """Ten SSD rounds, their hits counted as the SSD proposer counts them."""
+    cache = CacheHits()
+    controller.take_ssd(controller.ssd_cores_ratio, controller.ssd_branches)
+    controller.estimates.read_hits(cache)
     for i in range(10):
-        hits = [(i * batch + j) % 10 < 10 * hit_rate for j in range(batch)]
-        controller.record_ssd(batch, verify_s, 0.0, hits, [tokens_on_hit if hit else 1 for hit in hits])
+        rows = [RowRecord(tokens_on_hit - 1 if hit else 0, tokens_on_hit if hit else 1, hit)
+                for hit in ((i * batch + j) % 10 < 10 * hit_rate for j in range(batch))]
+        for row in rows:
+            cache.add(row)
+        controller.estimates.record_ssd(batch, verify_s, 0.0, sum(row.committed for row in rows))
 
 
 def test_controller_takes_ssd_where_its_measured_rate_beats_sd_on_all_cores():
@@ -419,7 +428,7 @@ def test_controller_takes_ssd_where_its_measured_rate_beats_sd_on_all_cores():
     measured(controller, 1, flat, 0.004, 0.8)
     assert controller.predicted_rate(1, SSD) is not None
     ssd_rounds(controller, 1, verify_s=0.022, hit_rate=0.9, tokens_on_hit=4)  # draft hidden, pass 1.1x slower
-    assert controller.ssd_slowdown == pytest.approx(0.022 / flat(5), rel=0.01)
+    assert controller.estimates.ssd_slowdown == pytest.approx(0.022 / flat(5), rel=0.01)
     assert controller.choose(1) == SSD
     for _ in range(SSD_MIN_ROUNDS - 1):
         assert controller.choose(1) == SSD  # a stint is not cut short
@@ -432,9 +441,9 @@ def test_controller_takes_ssd_where_its_measured_rate_beats_sd_on_all_cores():
 def test_controller_expects_no_gain_from_ssd_when_its_fill_outlasts_the_verification():
     controller = Controller(max_k=4, ssd_cores_ratio=2.0)
     for _ in range(2):  # a warm-up round, then a measured one
-        controller.record(16, 0, 0.050, 0.0, [], 16)
-        controller.record(16, 4, 0.200, 4 * 0.010, [2] * 16, 48)  # a draft step over 16 rows: 10 ms
-        controller.draft_step.add(16 * 16, 0.120)  # ... over 16 branches of 16 requests: 120 ms
+        controller.estimates.record(16, 0, 0.050, 0.0, [], 16)
+        controller.estimates.record(16, 4, 0.200, 4 * 0.010, [2] * 16, 48)  # a draft step over 16 rows: 10 ms
+        controller.estimates.draft_step.add(16 * 16, 0.120)  # ... over 16 branches of 16 requests: 120 ms
     few, many = (dataclasses.replace(controller, ssd_branches=f) for f in (1, 16))
     assert many.predicted_rate(16, SSD) < few.predicted_rate(16, SSD) / 2
     assert many.choose(16) != SSD
@@ -447,7 +456,7 @@ def rounds_at_batch_1(controller: Controller, target_s, step_s: float, accepted_
     """One batch-1 round per accepted length, for AR and every K."""
     for k in range(controller.max_k + 1):
         for n in accepted_lens:
-            controller.record(1, k, target_s(k + 1), k * step_s, [min(n, k)] if k else [], min(n, k) + 1)
+            controller.estimates.record(1, k, target_s(k + 1), k * step_s, [min(n, k)] if k else [], min(n, k) + 1)
 
 
 def test_a_worker_on_the_targets_cores_starts_only_once_ssd_is_predicted_to_pay():
@@ -455,13 +464,13 @@ def test_a_worker_on_the_targets_cores_starts_only_once_ssd_is_predicted_to_pay(
     pays = Controller(max_k=4)  # a draft step at 1/4 of a pass, one branch per request
     assert not pays.ssd_would_pay(1, cores_ratio=1.1)  # nothing measured yet
     rounds_at_batch_1(pays, flat, 0.008, GEOMETRIC_08[:4])
-    assert sum(pays.tried) < 32 and not pays.ssd_would_pay(1, cores_ratio=1.1)  # the acceptance is unknown
+    assert sum(pays.estimates.tried) < 32 and not pays.ssd_would_pay(1, cores_ratio=1.1)  # the acceptance is unknown
     rounds_at_batch_1(pays, flat, 0.008, GEOMETRIC_08)
     assert pays.ssd_would_pay(1, cores_ratio=1.1)  # hides the draft at a 5% slower pass
     assert not pays.ssd_would_pay(1, cores_ratio=4.0)  # the worker would take 3/4 of the target's cores
     assert not pays.ssd_would_pay(1, cores_ratio=2.0)  # half the cores: the pass taken as twice as slow ...
     best = max(pays.rate(1, k) for k in range(5))
-    assert pays._predicted_ssd(1, flat(5), pays.draft_step(1), 2 ** 0.5) > 1.05 * best  # ... not sqrt(2)
+    assert pays._predicted_ssd(1, flat(5), pays.estimates.draft_step(1), 2 ** 0.5) > 1.05 * best  # ... not sqrt(2)
     cheap = Controller(max_k=4)  # draft steps at 1/20 of a pass: SD on both cores wins
     rounds_at_batch_1(cheap, flat, 0.0015, GEOMETRIC_08 * 2)
     assert not cheap.ssd_would_pay(1, cores_ratio=2.0)
@@ -470,7 +479,7 @@ def test_a_worker_on_the_targets_cores_starts_only_once_ssd_is_predicted_to_pay(
 def test_controller_offers_ssd_only_with_a_worker():
     controller = Controller(max_k=2)
     assert SSD not in controller.choices()
-    controller.ssd_cores_ratio = 2.0
+    controller.offer_ssd(2.0)
     assert controller.choices()[-1] == SSD
 
 
@@ -487,16 +496,18 @@ def ready(result) -> Future:
     return future
 
 
-def auto_decoder(target, draft, schedule, ssd: RemoteProposer | None = None, k: int = TINY_K) -> Decoder:
-    """auto whose choices follow `schedule` round after round (SSD from `ssd`)."""
+def auto_decoder(target, draft, schedule, ssd: RemoteProposer | None = None, k: int = TINY_K,
+                 placement: CorePlacement | None = None) -> Decoder:
+    """auto whose choices follow `schedule` round after round (SSD from `ssd`, the target's cores
+    shared out by `placement`, by default none taken from it)."""
     launcher = None
     if ssd is not None:
-        launcher = SSDLauncher(lambda: ready(ssd), CoreShare.of(None), sum(ssd.fan_out))
+        launcher = SSDLauncher(lambda: ready(ssd), placement or CorePlacement(CoreShare.of(None)), sum(ssd.fan_out))
     decoder = build.auto_decoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k, prompt_lookup=0)),
                                  launcher)
     choices = itertools.cycle(schedule)
     controller = decoder.policy.controller
-    controller.choose = lambda batch, can_try=True: controller._pick(next(choices))
+    controller.choose = lambda batch, can_try=True: controller.pick(next(choices))
     return decoder
 
 
@@ -508,9 +519,9 @@ def draft_dir(draft, tmp_path_factory):
     return folder
 
 
-def in_process_ssd(target, draft_dir, fan_out: list[int]) -> RemoteProposer:
+def in_process_ssd(target, draft_dir, fan_out: list[int], placement: CorePlacement | None = None) -> RemoteProposer:
     client = InProcessDraft(worker_config(str(draft_dir), "float32", TINY_K, fan_out), None)
-    return RemoteProposer(DraftPool([client]), "neural", vocab_size=target.config.vocab_size)
+    return RemoteProposer(DraftPool([client]), "neural", vocab_size=target.config.vocab_size, placement=placement)
 
 
 SWITCHING = [TINY_K, SSD, SSD, 0, SSD, 1]  # into SSD, on in SSD, out to AR, back into SSD, out to SD
@@ -564,7 +575,8 @@ def test_a_loading_worker_keeps_the_target_off_its_core_and_its_rounds_are_forgo
     try:
         decoder = build.auto_decoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=TINY_K,
                                                                                  prompt_lookup=0)),
-                                     SSDLauncher(lambda: starting, CoreShare(everything, (everything[0], 1)), 8))
+                                     SSDLauncher(lambda: starting,
+                                                 CorePlacement(CoreShare(everything, (everything[0], 1))), 8))
         auto, controller = decoder.policy, decoder.policy.controller
         assert torch.get_num_threads() == everything[1]  # no worker yet: it starts when SSD would pay
         auto.wait_for_ssd(start=False)
@@ -573,23 +585,24 @@ def test_a_loading_worker_keeps_the_target_off_its_core_and_its_rounds_are_forgo
         tiny_outputs(decoder, sampled(0.0, rows=2))  # its first round starts the worker
         assert auto.ssd_starting is starting and auto.launcher is None
         assert torch.get_num_threads() == 1  # the rounds after it ran while the worker loads
-        assert controller.measured and controller.target(1) is not None
+        assert controller.estimates.measured and controller.estimates.target(1) is not None
         assert torch.get_num_threads() == 1
         starting.set_exception(RuntimeError("no worker here"))  # the start ends (here: it failed)
         with pytest.warns(RuntimeWarning, match="without SSD"):
             auto._adopt_ssd()
         assert torch.get_num_threads() == everything[1]
-        assert not controller.measured and controller.target(1) is None
-        assert sum(controller.tried) > 0  # the acceptance measured meanwhile is kept
+        assert not controller.estimates.measured and controller.estimates.target(1) is None
+        assert sum(controller.estimates.tried) > 0  # the acceptance measured meanwhile is kept
     finally:
         use_cores(*everything)
 
 
 def test_ssd_stints_hand_the_worker_what_it_lacks_and_give_the_cores_back(target, draft, draft_dir):
-    ssd = in_process_ssd(target, draft_dir, [TINY_V - 1] * (TINY_K + 1))  # every bonus cached: hits
-    decoder = auto_decoder(target, draft, [SSD, SSD, SSD, 1], ssd)
-    cores = decoder.policy.cores
-    ssd.cores = decoder.policy.cores = CoreShare(cores.all, (cores.all[0], 1))
+    cores = CoreShare.of(None)
+    placement = CorePlacement(CoreShare(cores.all, (cores.all[0], 1)))
+    ssd = in_process_ssd(target, draft_dir, [TINY_V - 1] * (TINY_K + 1), placement)  # every bonus cached: hits
+    decoder = auto_decoder(target, draft, [SSD, SSD, SSD, 1], ssd, placement=placement)
+    decoder.wait_for_ssd(start=True)  # a worker on the target's cores starts when asked
     rounds, prefilled = [], []  # per round: the torch threads it ran on; the round of each worker prefill
     client = ssd.pool.lanes[0].client
     send_prefill = client.prefill
@@ -651,7 +664,7 @@ def test_plan_forecasts_each_batch_size_from_the_others_then_measures_it(auto, p
 def test_auto_greedy_equals_ar_when_it_switches_into_and_out_of_ssd(auto, prompts, ar_greedy):
     controller = auto.decoder.policy.controller
     schedule = itertools.cycle([5] + [SSD] * SSD_MIN_ROUNDS + [0] + [SSD] * 3 + [2])
-    controller.choose = lambda batch, can_try=True: controller._pick(next(schedule))
+    controller.choose = lambda batch, can_try=True: controller.pick(next(schedule))
     try:
         outputs = auto.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
     finally:

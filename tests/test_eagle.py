@@ -80,7 +80,7 @@ def auto_after_ar_rounds(target, draft, k: int) -> Decoder:
     decoder = auto_decoder(target, sd_drafter(draft, SpeculativeConfig(num_speculative_tokens=k, prompt_lookup=0)))
     choices = itertools.chain([0, 0], itertools.cycle([k, 1, 0]))
     controller = decoder.policy.controller
-    controller.choose = lambda batch, can_try=True: controller._pick(next(choices))
+    controller.choose = lambda batch, can_try=True: controller.pick(next(choices))
     return decoder
 
 

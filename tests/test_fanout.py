@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from saguaro.speculation.policy.planning import (SpeedModel, acceptance_rate, fit_power_law, geometric_fan_out, outcome_probs,
-                                  uniform_fan_out)
+from saguaro.speculation.policy.planning import (SpeedModel, acceptance_rate, critical_batch_size, fit_power_law,
+                                                 geometric_fan_out, outcome_probs, uniform_fan_out)
 
 
 @pytest.mark.parametrize("budget, k, a, r", [(16, 5, 0.75, 0.6), (16, 5, 0.4, 0.6), (30, 3, 0.9, 1.5), (7, 2, 0.5, 1.0)])
@@ -42,11 +42,11 @@ def test_power_law_fit_recovers_r():
 
 def test_fast_backup_wins_only_from_the_critical_batch_size_on():
     model = SpeedModel(p_hit=0.8, e_hit=3.5, e_neural=3.5, e_fast=1.0, t_p=0.9, t_neural=0.8)
-    b_star = model.critical_batch_size()
+    b_star = critical_batch_size(model.fast_wins)
     assert b_star == 2  # neural 3.02 vs fast 3.00 at b=1; 2.72 vs 3.00 at b=2
     assert model.speedup(1, "neural") > model.speedup(1, "fast")
     assert model.speedup(2, "fast") > model.speedup(2, "neural")
-    assert SpeedModel(1.0, 3.0, 3.0, 1.0, 0.5, 0.8).critical_batch_size() > 64  # no misses: never fast
+    assert critical_batch_size(SpeedModel(1.0, 3.0, 3.0, 1.0, 0.5, 0.8).fast_wins) is None  # no misses: never fast
 
 
 def test_branch_budget_follows_the_measured_fill_time():
@@ -73,9 +73,11 @@ def decoder_with(stats, backup: str = "auto"):
 
 
 def measured(hit=3.0, neural=2.0, fast=2.0, neural_s=0.010, misses=8):
+    from saguaro.engine.round import CacheHits
     from saguaro.speculation.remote.proposer import SSDStats
 
-    return SSDStats(hit_lengths=[hit] * 20, miss_lengths={"neural": [neural] * misses, "fast": [fast] * misses},
+    cache = CacheHits(rounds=20 + 2 * misses, hits=20)
+    return SSDStats(cache, hit_lengths=[hit] * 20, miss_lengths={"neural": [neural] * misses, "fast": [fast] * misses},
                     verify_s=[0.030] * 20, t_p=[0.8] * 20,
                     backup_s={"neural": [neural_s] * misses, "fast": [0.0] * misses})
 
@@ -117,15 +119,17 @@ def test_backup_time_is_measured_only_on_rounds_that_ran_a_backup():
     from types import SimpleNamespace
 
     from saguaro.engine.proposal import Outcome
+    from saguaro.engine.round import RowRecord
     from saguaro.speculation.protocol import RequestSpeculation, Speculation
     from saguaro.speculation.remote.proposer import RemoteProposer, SSDStats
 
     decoder = SimpleNamespace(stats=SSDStats())
     for looked, backup_s in ((True, 0.0001), (False, 0.012), (True, 0.0001)):
         spec = Speculation([RequestSpeculation([0], hit=False, lookup=looked)], backup_time_s=backup_s)
-        RemoteProposer._record(decoder, [Outcome(1, 7)], spec, [Outcome(2, 9)], "neural", 0.0, 0.030)
+        RemoteProposer._record(decoder, [Outcome(1, 7)], spec, [RowRecord(2, 3, False, looked)], "neural", 0.0, 0.030)
     assert decoder.stats.backup_s["neural"] == [0.012]
     assert len(decoder.stats.lookup_lengths) == 2 and decoder.stats.miss_lengths["neural"] == [3]
+    assert (decoder.stats.cache.rounds, decoder.stats.cache.lookup_rounds, decoder.stats.cache.hits) == (3, 2, 0)
 
 
 def test_the_fan_out_follows_the_latest_acceptance_lengths_of_hits_and_misses_alike():
@@ -134,13 +138,15 @@ def test_the_fan_out_follows_the_latest_acceptance_lengths_of_hits_and_misses_al
     from types import SimpleNamespace
 
     from saguaro.engine.proposal import Outcome
+    from saguaro.engine.round import RowRecord
     from saguaro.speculation.protocol import RequestSpeculation, Speculation
     from saguaro.speculation.remote.proposer import RECENT, GeometricPlan, RemoteProposer, SSDStats
 
     decoder = SimpleNamespace(stats=SSDStats())
     for hit, accepted in [(False, 3)] * RECENT + [(True, 0)] * RECENT:  # long accepts on misses, then short on hits
         spec = Speculation([RequestSpeculation([0], hit=hit, miss=None if hit else "bonus")], backup_time_s=0.0)
-        RemoteProposer._record(decoder, [Outcome(1, 7)], spec, [Outcome(accepted, 9)], "neural", 0.0, 0.030)
+        RemoteProposer._record(decoder, [Outcome(1, 7)], spec, [RowRecord(accepted, accepted + 1, hit)], "neural",
+                               0.0, 0.030)
     assert list(decoder.stats.recent_lengths) == [1] * RECENT  # (the misses' 4s, older, are out)
     chosen = []
     planner = SimpleNamespace(stats=decoder.stats, plan=GeometricPlan(budget=16, power_law_r=0.6), k=5,

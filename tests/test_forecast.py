@@ -62,10 +62,10 @@ def test_per_device_charges_ssd_its_worker():
 
 def test_the_fast_backup_takes_over_from_the_critical_batch_size():
     p = profile(hit_rate=0.8, draft_step_s={1: 0.002, 64: 0.004})
-    b_star = critical_batch_size(p)
+    b_star = critical_batch_size(p.fast_wins)
     assert b_star is not None and b_star > 1
     assert forecast(p, 1).ssd_backup == "neural" and forecast(p, b_star).ssd_backup == "fast"
-    assert critical_batch_size(profile(hit_rate=1.0)) is None  # nothing ever misses
+    assert critical_batch_size(profile(hit_rate=1.0).fast_wins) is None  # nothing ever misses
 
 
 def test_the_paper_profile_forecasts_the_papers_ssd_within_ten_percent():
@@ -76,7 +76,7 @@ def test_the_paper_profile_forecasts_the_papers_ssd_within_ten_percent():
         f = forecast(p, batch)
         assert f.sd_tok_s / batch == pytest.approx(sd, rel=0.01)  # how the profile was built
         assert f.ssd_tok_s / batch == pytest.approx(ssd, rel=0.10)
-    assert critical_batch_size(p) == 2
+    assert critical_batch_size(p.fast_wins) == 2
 
 
 @pytest.mark.parametrize("change, message", [

@@ -149,7 +149,7 @@ def test_ssd_is_exact_on_every_path(tiny_target, tiny_draft_dir, path, temperatu
     if path == "lookup":
         assert len(stats.lookup_lengths) > ROWS // 10 and misses  # lookups and neural drafts mix
     elif path == "lookup-hit":
-        assert stats.lookup_hits > ROWS // 10  # lookups over cache hits
+        assert stats.cache.lookup_hits > ROWS // 10  # lookups over cache hits
     elif path.startswith("mixed"):
         assert stats.hit_lengths and len(misses) > ROWS // 10
     elif path.startswith("hit"):

@@ -239,7 +239,7 @@ def switching_decoder(target, draft, schedule):
     decoder = build.auto_decoder(target, build.sd_drafter(draft, spec), trees=[TREE])
     choices = itertools.cycle(schedule)
     controller = decoder.policy.controller
-    controller.choose = lambda batch, can_try=True: controller._pick(next(choices))
+    controller.choose = lambda batch, can_try=True: controller.pick(next(choices))
     return decoder
 
 
@@ -264,10 +264,10 @@ def tree_rounds(controller: Controller, target_s, step_s: float, tree_tokens: fl
     """Rounds at batch 1 as they would run: AR, every K (accepting 60% of the drafts) and the
     tree (committing tree_tokens a round), twice each (the first is a warm-up)."""
     for k in [k for k in range(controller.max_k + 1) for _ in range(2)]:
-        controller.record(1, k, target_s(k + 1), k * step_s, [int(0.6 * k)], int(0.6 * k) + 1)
+        controller.estimates.record(1, k, target_s(k + 1), k * step_s, [int(0.6 * k)], int(0.6 * k) + 1)
     tree = controller.trees[0]
     for _ in range(2):
-        controller.record_tree(1, tree, target_s(tree.num_nodes + 1), tree.depth * step_s * 1.3, tree_tokens)
+        controller.estimates.record_tree(1, tree, target_s(tree.num_nodes + 1), tree.depth * step_s * 1.3, tree_tokens)
 
 
 def test_auto_chooses_a_tree_where_its_rows_cost_little_and_a_chain_where_they_cost_much():
@@ -287,7 +287,7 @@ def test_auto_tries_a_tree_before_it_ran_from_the_chains_acceptance():
     tree = TreeShape(4, 2, 4)
     controller = Controller(max_k=4, trees=[tree])
     for k in [k for k in range(5) for _ in range(2)]:
-        controller.record(1, k, 0.030, k * 0.001, [k], k + 1)  # every draft accepted, rows free
+        controller.estimates.record(1, k, 0.030, k * 0.001, [k], k + 1)  # every draft accepted, rows free
     assert controller.rate(1, tree) > controller.rate(1, 3)  # TREE_GAIN times the chain's tokens
     assert controller.choose(1) == tree  # untried and predicted best: tried
 

@@ -32,21 +32,11 @@ class PlanRow:
 def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, choice: Option) -> float:
     """Committed tokens per second of the decoding rounds the controller measures (the target's
     prefill and an SSD stint's first round left out), with its choice fixed."""
-    controller = llm.decoder.policy.controller
-    committed, seconds = 0, 0.0
-    measure_round = controller._measure
-
-    def counting(batch, choice, tokens, round_s):
-        nonlocal committed, seconds
-        committed, seconds = committed + tokens, seconds + round_s
-        measure_round(batch, choice, tokens, round_s)
-
-    controller.choose = lambda batch, can_try=True: controller._pick(choice)
-    controller._measure = counting
-    try:
+    auto = llm.decoder.policy
+    before = list(auto.estimates.totals.get(choice, (0.0, 0.0)))
+    with auto.fixed_choice(choice):
         llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del controller.choose, controller._measure
+    committed, seconds = (now - then for now, then in zip(auto.estimates.totals.get(choice, (0.0, 0.0)), before))
     return committed / seconds if seconds else 0.0
 
 
@@ -95,7 +85,7 @@ def forecast_markdown(profile: HardwareProfile, batch_sizes: list[int]) -> str:
         lines.append(f"| {batch} | {f.ar_tok_s:.1f} | {f.sd_tok_s:.1f} ({f.sd_k}) | {f.ssd_tok_s:.1f} "
                      f"({f.ssd_backup}, {f.ssd_fan_out}, {f.ssd_t_p:.2f}) | {f.ssd_tok_s / f.sd_tok_s:.2f} | "
                      f"{ar:.1f} / {sd:.1f} / {ssd:.1f} |")
-    b_star = critical_batch_size(profile)
+    b_star = critical_batch_size(profile.fast_wins)
     lines += ["", f"b* (SSD's fast backup wins from here): {b_star if b_star is not None else 'above 256'}. "
               "Totals over the batch; per device divides AR and SD by the target's devices, SSD by the "
               "target's and the draft's. F: branches a sequence; T_p: the worker's fill / a verification (above 1: not hidden)."]

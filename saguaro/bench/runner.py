@@ -29,7 +29,7 @@ from saguaro.models import hub
 from saguaro.models.pairing import load_draft, load_paired_draft, resolve_model
 from saguaro.speculation.build import make_decoder
 from saguaro.speculation.policy.auto import AutoPolicy
-from saguaro.speculation.remote.proposer import RemoteProposer, SSDStats
+from saguaro.speculation.remote.proposer import RemoteProposer
 from saguaro.system import usable_cores, use_cores
 
 METHODS = (*SPECULATIVE_METHODS, "hf", "hf-assisted", "llamacpp")
@@ -130,8 +130,8 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
     held = {name: cores["all"][1] for name in config.methods}
     if "ssd" in held:
         held["ssd"] = cores["ssd"][1] + (spec.draft_device == "cpu" and not spec.draft_address)
-    if isinstance(auto, AutoPolicy) and auto.cores is not None and auto.cores.ssd != auto.cores.all:
-        held["auto"] = max(held["auto"], auto.cores.ssd[1] + 1)
+    if isinstance(auto, AutoPolicy) and auto.placement is not None and auto.placement.share.ssd != auto.placement.share.all:
+        held["auto"] = max(held["auto"], auto.placement.share.ssd[1] + 1)
 
     def saguaro_engine(name: str, engine: Engine):
         def generate(prompts, params):
@@ -205,7 +205,7 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
         with tqdm(total=total, desc="bench", unit="run") as bar:
             for turn, (dataset, temperature, batch, start) in enumerate(steps):
                 if start == 0 and built.ssd is not None:
-                    built.ssd.stats = SSDStats()
+                    built.ssd.reset_stats()
                 if start == 0 and built.auto is not None:
                     built.auto.controller.rounds_by_choice.clear()  # what it chose in this group
                 names = [m for m in engines if runnable(m, batch)]
@@ -258,7 +258,7 @@ def fan_out_sweep(config: BenchConfig, prompts: list[list[int]], bar: tqdm | Non
     try:
         for f in fan_outs:
             ssd.set_fan_out([f] * (k + 1))
-            ssd.stats = SSDStats()
+            ssd.reset_stats()
             params = SamplingParams(temperature=temperature, max_tokens=config.max_tokens,
                                     ignore_eos=config.ignore_eos, seed=config.seed)
             for prompt in prompts:

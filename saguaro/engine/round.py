@@ -69,9 +69,19 @@ JUMP_FORWARD = 16  # the most grammar-forced tokens a round commits without a dr
 WAITED = 1.25  # a round whose thread ran for less than 1 / WAITED of it waited (RoundRecord.waited)
 
 
+@dataclass(frozen=True)
+class RowRecord:
+    """What a round did for one of its sequences."""
+    accepted_len: int  # draft tokens the target accepted (0 in an AR round)
+    committed: int  # tokens committed: the accepted ones and the target's, fewer where the sequence ended
+    hit: bool | None = None  # SSD: whether the worker had the speculation cached (None: not SSD, or nothing to hit)
+    looked_up: bool = False  # prompt lookup proposed the tokens, not the draft model
+
+
 @dataclass
 class RoundRecord:
-    """What one round did and how long each part took: policies and proposers learn from it."""
+    """What one round did and how long each part took, made once by `Decoder.step`: the engine's
+    counters, each request's figures, the proposers' and the policy's measurements all read it."""
     choice: Choice
     seqs: list[Sequence]
     lengths_before: list[int]  # committed tokens of each sequence before the round
@@ -83,24 +93,67 @@ class RoundRecord:
     # the interpreter (a server's HTTP thread held it: passes then took 12 ms where they run in 3)
     # or for a core, so the round's times say what it cost then, not what its passes cost.
     waited: bool = False
+    rows: list[RowRecord] = field(init=False)  # per sequence, in the order of seqs
+
+    def __post_init__(self):
+        hits = (self.proposal.hits if self.proposal is not None else None) or [None] * len(self.seqs)
+        looked_up = set(self.proposal.looked_up) if self.proposal is not None else set()
+        self.rows = [RowRecord(outcome.accepted_len, len(seq) - before, hit, i in looked_up)
+                     for i, (seq, before, outcome, hit) in enumerate(zip(self.seqs, self.lengths_before,
+                                                                          self.outcomes, hits))]
 
     @property
     def committed(self) -> int:
-        return sum(len(s) for s in self.seqs) - sum(self.lengths_before)
+        return sum(row.committed for row in self.rows)
+
+
+@dataclass
+class CacheHits:
+    """SSD's cache hits, counted here alone: the server's /metrics, SSD's summary, its backup
+    choice and auto's rate of SSD all read one of these (the SSD proposer's). A sequence round
+    counts once the worker knows the sequence (its first round has nothing to hit)."""
+    rounds: int = 0  # sequence rounds that could hit
+    hits: int = 0
+    tokens: list[int] = field(default_factory=lambda: [0, 0])  # tokens they committed after a hit, after a miss
+    lookup_rounds: int = 0  # ... of them, rounds a prompt lookup's tokens were sent instead of the cache's
+    lookup_hits: int = 0
+
+    def add(self, row: RowRecord) -> None:
+        self.rounds += 1
+        self.hits += row.hit
+        self.tokens[not row.hit] += row.committed
+        self.lookup_rounds += row.looked_up
+        self.lookup_hits += row.looked_up and row.hit
+
+    @property
+    def rate(self) -> float | None:
+        return self.hits / self.rounds if self.rounds else None
+
+    @property
+    def drafted(self) -> tuple[int, int]:
+        """Hits and misses of the rounds whose tokens the worker drafted (lookups left out)."""
+        hits = self.hits - self.lookup_hits
+        return hits, self.rounds - self.lookup_rounds - hits
+
+    def tokens_after(self, hit: bool) -> float | None:
+        """The tokens a round committed on average after a hit (a miss); None before one."""
+        rounds = self.hits if hit else self.rounds - self.hits
+        return self.tokens[not hit] / rounds if rounds else None
+
+    def summary(self) -> dict:
+        return {"spec_decode_num_cache_lookups": self.rounds, "spec_decode_num_cache_hits": self.hits}
 
 
 @dataclass
 class SpecDecodeCounters:
-    """The engine's speculation counters since it started, named as vLLM names them; each
-    round's record also adds to its requests' own figures (SequenceStats). The server's
-    /metrics, SSD's and auto's views read the same records."""
+    """The engine's speculation counters since it started, named as vLLM names them (SSD's
+    cache hits are the SSD proposer's: CacheHits); each round's record also goes to its
+    requests' own figures (SequenceStats)."""
     num_rounds: int = 0  # decoding rounds (prefills not counted)
     num_drafts: int = 0  # sequence rounds that verified a proposal
     num_draft_tokens: int = 0  # tokens proposed (a tree's: its nodes, all scored by the target)
     num_accepted_tokens: int = 0  # proposed tokens the target accepted
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # ... at draft position (tree depth) 1, 2, ...
-    num_cache_lookups: int = 0  # SSD sequence rounds whose outcome the worker could have cached
-    num_cache_hits: int = 0  # ... and did
 
     def observe(self, record: RoundRecord) -> None:
         """Counts a round, and adds it to each of its requests' own figures."""
@@ -111,27 +164,20 @@ class SpecDecodeCounters:
         k = proposal.tokens.shape[1]  # a tree's nodes verified, its accepted lengths its depths
         if len(self.num_accepted_tokens_per_pos) < k:
             self.num_accepted_tokens_per_pos += [0] * (k - len(self.num_accepted_tokens_per_pos))
-        for seq, outcome in zip(record.seqs, record.outcomes):
-            seq.stats.acceptance_lengths.append(outcome.accepted_len + 1)
-            for position in range(outcome.accepted_len):
+        for seq, row in zip(record.seqs, record.rows):
+            seq.stats.add(row)
+            for position in range(row.accepted_len):
                 self.num_accepted_tokens_per_pos[position] += 1
         self.num_drafts += len(record.seqs)
         self.num_draft_tokens += (k * len(record.seqs) if proposal.parents is None
                                   else sum(len(p) for p in proposal.parents))
-        self.num_accepted_tokens += sum(o.accepted_len for o in record.outcomes)
-        for seq, hit in zip(record.seqs, proposal.hits or ()):
-            if hit is not None:  # None: the request's first SSD round, which nothing could hit
-                seq.stats.cache_hits.append(hit)
-                self.num_cache_lookups += 1
-                self.num_cache_hits += hit
+        self.num_accepted_tokens += sum(row.accepted_len for row in record.rows)
 
     def summary(self) -> dict:
         return {"spec_decode_num_rounds": self.num_rounds, "spec_decode_num_drafts": self.num_drafts,
                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
-                "spec_decode_num_cache_lookups": self.num_cache_lookups,
-                "spec_decode_num_cache_hits": self.num_cache_hits}
+                "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}
 
 
 class Policy(Protocol):
@@ -284,9 +330,9 @@ class Decoder:
             proposer.release(seq_ids)
 
     def metrics(self) -> dict:
-        """Engine-wide figures: the rounds' counters, the prefix cache's, the proposers' and the
-        policy's."""
-        figures = self.counters.summary()
+        """Engine-wide figures: the rounds' counters, the prefix cache's, the proposers' (SSD's
+        cache hits: none counted without it) and the policy's."""
+        figures = {**self.counters.summary(), **CacheHits().summary()}
         for proposer in self.policy.proposers():
             figures.update(proposer.metrics())
         return {**figures, **self.verifier.metrics(), **self.policy.metrics()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from saguaro.engine.logprobs import TokenLogprobs
 from saguaro.engine.processing import LogitsProcessor
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.structured import GrammarMatcher, grammar_tokenizer
+
+if TYPE_CHECKING:
+    from saguaro.engine.round import RowRecord
 
 
 @dataclass
@@ -24,6 +28,12 @@ class SequenceStats:
     t_finish: float | None = None
     acceptance_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1, per round
     cache_hits: list[bool] = field(default_factory=list)  # SSD: per round after the first
+
+    def add(self, row: RowRecord) -> None:
+        """A round that verified a proposal for this request (its row of the round's record)."""
+        self.acceptance_lengths.append(row.accepted_len + 1)
+        if row.hit is not None:  # None: not SSD, or the request's first SSD round, which nothing could hit
+            self.cache_hits.append(row.hit)
 
 
 class Sequence:

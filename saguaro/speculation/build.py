@@ -28,7 +28,7 @@ from saguaro.speculation.protocol import DraftSpec
 from saguaro.speculation.remote.client import DraftClient, WorkerConfig
 from saguaro.speculation.remote.pool import DraftPool
 from saguaro.speculation.remote.proposer import RemoteProposer
-from saguaro.system import CoreShare, usable_cores, use_cores
+from saguaro.system import CorePlacement, CoreShare, usable_cores
 
 
 def sd_drafter(draft: LlamaModel, spec: SpeculativeConfig, prefix_cache_mb: float = 0.0) -> Drafter:
@@ -81,12 +81,11 @@ def start_workers(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairi
 
 
 def ssd_proposer(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing, cpus: str | None,
-                 prefix_cache_mb: float = 0.0, cores: CoreShare | None = None,
-                 cores_before: tuple[set[int], int] | None = None) -> RemoteProposer:
-    """SSD's proposer over new draft workers (see start_workers). cores_before: the cores this
-    process had before the worker took some (split_cores), given back when it closes."""
+                 prefix_cache_mb: float = 0.0, placement: CorePlacement | None = None) -> RemoteProposer:
+    """SSD's proposer over new draft workers (see start_workers). placement: the target's cores
+    while SSD runs and after it closes (None: the workers hold none of this machine's)."""
     pool = start_workers(target, spec, draft, cpus, prefix_cache_mb)
-    return RemoteProposer(pool, spec.backup, fan_out_plan(spec)[1], target.config.vocab_size, cores, cores_before)
+    return RemoteProposer(pool, spec.backup, fan_out_plan(spec)[1], target.config.vocab_size, placement)
 
 
 def sd_policy(drafter: Drafter) -> FixedPolicy:
@@ -126,15 +125,14 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing,
     if not elsewhere and (target.device.type != "cpu" or len(cores) < 2):
         return None
     cpus = None if elsewhere else str(cores[-1])
-
-    cores = CoreShare.of(cpus)
+    placement = CorePlacement(CoreShare.of(cpus))
 
     def start() -> Future[RemoteProposer]:
         future: Future[RemoteProposer] = Future()
 
         def run() -> None:
             try:
-                proposer = ssd_proposer(target, spec, draft, cpus, prefix_cache_mb, None if elsewhere else cores)
+                proposer = ssd_proposer(target, spec, draft, cpus, prefix_cache_mb, None if elsewhere else placement)
             except Exception as e:
                 if not future.cancelled():
                     future.set_exception(e)
@@ -147,7 +145,7 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing,
         threading.Thread(target=run, name="saguaro-auto-ssd", daemon=True).start()
         return future
 
-    return SSDLauncher(start, cores, max(1, sum(fan_out_plan(spec)[0])))
+    return SSDLauncher(start, placement, max(1, sum(fan_out_plan(spec)[0])))
 
 
 def auto_profile_path(target: LlamaModel, spec: SpeculativeConfig, model: ResolvedModel) -> Path | None:
@@ -202,29 +200,29 @@ def make_policy(target: LlamaModel, spec: SpeculativeConfig, model: ResolvedMode
                                                            target.device.type))
 
 
-def split_cores(draft_device: str, workers: int = 1) -> tuple[str | None, tuple[set[int], int] | None]:
+def split_cores(draft_device: str, workers: int = 1) -> tuple[str | None, CorePlacement | None]:
     """On CPU, the draft workers get the last cores (one each, as far as one core is left) and
     this process keeps the others, so drafting and verifying really run in parallel. Returns
-    the workers' cores and this process's cores and threads before (for use_cores to give them
-    back), or Nones."""
+    the workers' cores and the placement that pins this process to the rest now and gives all
+    back when SSD closes, or Nones."""
     cores = sorted(usable_cores())
     if draft_device != "cpu" or len(cores) < 2:
         return None, None
-    before = set(cores), torch.get_num_threads()
     kept = max(1, len(cores) - workers)
-    use_cores(set(cores[:kept]), kept)
-    return ",".join(map(str, cores[kept:])), before
+    placement = CorePlacement(CoreShare((set(cores), torch.get_num_threads()), (set(cores[:kept]), kept)))
+    placement.for_ssd()
+    return ",".join(map(str, cores[kept:])), placement
 
 
 def ssd_on_this_machine(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing,
                         prefix_cache_mb: float = 0.0) -> RemoteProposer:
     """method="ssd"'s proposer, its workers on cores split off this process's (none taken
     where they run at spec.draft_address); the cores come back if they fail to start."""
-    cpus, cores_before = (None, None) if spec.draft_address else split_cores(spec.draft_device,
-                                                                              spec.num_draft_workers)
+    cpus, placement = (None, None) if spec.draft_address else split_cores(spec.draft_device,
+                                                                           spec.num_draft_workers)
     try:
-        return ssd_proposer(target, spec, draft, cpus, prefix_cache_mb, cores_before=cores_before)
+        return ssd_proposer(target, spec, draft, cpus, prefix_cache_mb, placement)
     except BaseException:
-        if cores_before is not None:
-            use_cores(*cores_before)
+        if placement is not None:
+            placement.for_all()
         raise

@@ -3,11 +3,12 @@
 Before every round the controller predicts, at the round's batch size b, the committed tokens
 per second of each choice: no speculation (K = 0) or SD with K = 1..K_max draft tokens, both on
 all the cores, and, once its draft worker is up, SSD (K_max, with SSD's own fan-out and backup
-planning), whose target keeps only the cores the worker does not hold:
+planning), whose target keeps only the cores the worker does not hold (the rate model is
+planning.py's `sd_rate` and `ssd_rate`, which `saguaro plan` and SSD's backup choice use too):
 
     rate(b, K)   = b * E_K / (t_target(b * (K + 1)) + K * t_step(b))
     rate(b, SSD) = b * (p E_hit + (1 - p) E_miss) / (s * max(t_target(b * (K + 1)), K * t_step(b * F))
-                                                     + (1 - p) * K * t_step(b))
+                                                     + (1 - p^b) * K * t_step(b))
 
 SD with token trees (saguaro.engine.tree; the configured tree, else `auto_trees`) is a choice
 too, for a draft model that is not EAGLE-style:
@@ -24,8 +25,8 @@ about the last 100 SD rounds, greedy rounds and rounds that sample counted apart
 t_target(n) is the target's pass over n token rows and t_step(b) one draft step over b
 sequences, both read off the passes measured so far (interpolated in the number of rows, so a
 batch size never seen borrows from its neighbours). For SSD, p is its cache hit rate, E_hit and
-E_miss the tokens a round commits after a hit and after a miss (a miss waits for the backup
-draft), F the branches the worker pre-drafts per request (the fill hides behind verification
+E_miss the tokens a round commits after a hit and after a miss (a round where any sequence
+missed waits for the backup draft), F the branches the worker pre-drafts per request (the fill hides behind verification
 only while it is the shorter), and s how much slower a pass runs on SSD's share of the cores
 than on all of them: sqrt(cores / SSD's cores) until SSD has run (a small model's pass scales
 sublinearly with threads), then measured.
@@ -45,14 +46,13 @@ output equals AR's token for token (the target's numerics are batch-invariant).
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,19 +60,14 @@ from saguaro.config import TreeShape
 from saguaro.engine.round import AR, Choice, Proposer, RoundRecord
 from saguaro.engine.sequence import Sequence
 from saguaro.speculation.local.proposer import DraftProposer
-from saguaro.speculation.policy.planning import EMA, RowCosts
+from saguaro.speculation.policy.estimates import SSD, Estimates, Option, read_profile, write_profile
+from saguaro.speculation.policy.planning import sd_rate, ssd_rate
 from saguaro.speculation.remote.proposer import RemoteProposer
-from saguaro.system import CoreShare, use_cores
-
-SSD = "ssd"  # the controller's option of an SSD round
-Option = int | str | TreeShape  # K = 0..K_max, SSD, or SD with token trees of a shape
+from saguaro.system import CorePlacement
 
 HYSTERESIS = 0.05  # a switch needs this much more predicted throughput
 EXPLORE_WITHIN = 0.85  # an untried choice predicted at least this share of the best is tried once
-DECAY = 0.95  # per round of a choice: its measured rate follows about its last 1 / (1 - DECAY) rounds
 PRIOR_ROUNDS = 4.0  # the prediction counts as this many rounds of measurement
-PRIOR_ACCEPTANCE = 0.7  # a_i before any draft token was verified
-ACCEPTANCE_DECAY = 0.99  # per SD round: the acceptance follows about the last 100 rounds' drafts
 PRIOR_HIT_RATE = 0.8  # SSD's cache hit rate before one was measured
 SSD_MIN_ROUNDS = 8  # the shortest SSD stint
 REFRESH_ROUNDS = 64  # a choice not measured for this many rounds at a batch size is measured again ...
@@ -81,9 +76,6 @@ TRY_COST = 2.0  # a choice is tried (untried or stale) only if its round costs a
 MIN_VERIFIED_BEFORE_SSD = 32  # draft tokens verified before the acceptance may start a worker
 SSD_CHECK_ROUNDS = 16  # rounds between two asks whether a worker on the target's cores would pay
 PROFILE_ROUNDS = 256  # rounds between two writes of the profile a later process starts from
-PROFILE_WEIGHT = 32  # verified drafts a position that a restored acceptance counts as, at most
-TREE_GAIN = 1.1  # a tree's committed tokens before it ran: the chain's of its depth times this
-TREE_PRIOR_ROUNDS = 8.0  # ... counted as this many sequence rounds of measurement
 
 
 def auto_trees(k: int, topk: int | None = None, configured: TreeShape | None = None,
@@ -101,136 +93,68 @@ def auto_trees(k: int, topk: int | None = None, configured: TreeShape | None = N
     return [TreeShape(k, 2, k), TreeShape(min(k, 3), 3, 5)]
 
 
-def batch_bucket(batch: int) -> int:
-    """Batch sizes whose measured rates are pooled: each one up to 4, then half-octaves (6, 8,
-    11, 16, 23, 32, ...), so that a server whose batch drifts between 25 and 32 does not explore
-    every size anew."""
-    return batch if batch <= 4 else round(2 ** (round(2 * math.log2(batch)) / 2))
-
-
 @dataclass
 class Controller:
-    """The cost model and the choice of each round: K (0: no speculation) or SSD."""
+    """How auto chooses each round, K (0: no speculation), a tree or SSD, from its estimates
+    (estimates.py) rated by planning.py's rate model: exploration, refreshes and switches."""
     max_k: int
-    target: RowCosts = field(default_factory=RowCosts)  # target pass on all cores, by token rows
-    draft_step: RowCosts = field(default_factory=RowCosts)  # one draft step, by sequences
-    # Whether the rounds being chosen and recorded sample (any sequence at T > 0) or are all
-    # greedy: acceptance and measured rates are kept apart for the two, which differ widely
-    # (SD's acceptance length 2.5 greedy, 1.4-1.6 at T = 0.7 on the default model).
-    sampling: bool = False
-    # (batch bucket, sampling, choice) -> decayed sums of committed tokens and seconds, and the rounds counted
-    measured: dict[tuple[int, bool, Option], list[float]] = field(default_factory=dict)
+    estimates: Estimates | None = None  # what it chooses from (None: fresh ones)
     ssd_cores_ratio: float | None = None  # all cores / SSD's target cores; None: no SSD worker (yet)
     ssd_branches: int = 1  # branches the worker pre-drafts per request (its fan-out's sum)
-    ssd_slowdown: float | None = None  # measured: SSD's verification / the same pass on all cores
-    ssd_hits: list[int] = field(default_factory=lambda: [0, 0])  # sequence rounds that hit, that missed
-    ssd_tokens: list[int] = field(default_factory=lambda: [0, 0])  # ... and the tokens they committed
-    bucket_rounds: Counter = field(default_factory=Counter)  # measured rounds per (batch bucket, sampling)
-    last_measured: dict[tuple[int, bool, Option], int] = field(default_factory=dict)  # ... at its latest round
     refresh_after: dict[tuple[int, bool, Option], int] = field(default_factory=dict)  # rounds before a refresh (is_stale)
     trees: list[TreeShape] = field(default_factory=list)  # the token trees it may choose besides chains
-    tree_draft: dict[TreeShape, RowCosts] = field(default_factory=dict)  # a tree's drafting, by sequences
-    # (sampling, tree) -> decayed sums of the tokens its rounds committed and of their sequence rounds
-    tree_tokens: dict[tuple[bool, TreeShape], list[float]] = field(default_factory=dict)
     current: Option | None = None
     stint: int = 0  # rounds since the last switch
     rounds_by_choice: Counter = field(default_factory=Counter)
     switches: int = 0
 
     def __post_init__(self):
-        # per kind of round (sampling), per draft position: accepted and verified drafts, decayed
-        self.verified = {kind: ([0.0] * self.max_k, [0.0] * self.max_k) for kind in (False, True)}
-        # ... the same for the tokens prompt lookup proposed, and its share of the sequence rounds
-        self.verified_lookup = {kind: ([0.0] * self.max_k, [0.0] * self.max_k) for kind in (False, True)}
-        self.lookup_share = {kind: [0.0, 0.0] for kind in (False, True)}  # looked up, all (decayed)
-        self._expected: dict[bool, list[float]] = {}  # per kind: E_0..E_Kmax (expected_tokens)
+        if self.estimates is None:
+            self.estimates = Estimates(self.max_k)
 
-    @property
-    def accepted(self) -> list[float]:
-        return self.verified[self.sampling][0]
+    def offer_ssd(self, cores_ratio: float | None) -> None:
+        """SSD is a choice, its target on 1 / cores_ratio of the cores (None: no worker is up)."""
+        self.ssd_cores_ratio = cores_ratio
 
-    @property
-    def tried(self) -> list[float]:
-        return self.verified[self.sampling][1]
-
-    def bucket(self, batch: int) -> tuple[int, bool]:
-        """What measured rates are pooled by: the batch's bucket and the kind of round."""
-        return batch_bucket(batch), self.sampling
-
-    def acceptance(self, lookup: bool = False) -> list[float]:
-        """a_1..a_Kmax of the draft model's tokens (lookup: of prompt lookup's); an unverified
-        position takes the one before it (the prior at first)."""
-        rates, last = [], PRIOR_ACCEPTANCE
-        for accepted, tried in zip(*(self.verified_lookup if lookup else self.verified)[self.sampling]):
-            last = (accepted + 2 * last) / (tried + 2) if tried else last  # shrunk towards the one before
-            rates.append(last)
-        return rates
-
-    def looked_up(self) -> float:
-        """The share of sequence rounds whose tokens prompt lookup proposed."""
-        looked, total = self.lookup_share[self.sampling]
-        return looked / total if total else 0.0
-
-    def expected_tokens(self, k: int) -> float:
-        """E_k over the draft model's and prompt lookup's proposals in their shares, from a table
-        rebuilt only when a verification changed the acceptance: every round reads it for each
-        choice."""
-        if self.sampling not in self._expected:
-            share, table = self.looked_up(), [1.0]
-            model, lookup = self.acceptance(), self.acceptance(lookup=True)
-            run_model = run_lookup = 1.0
-            for a, b in zip(model, lookup):
-                run_model, run_lookup = run_model * a, run_lookup * b
-                table.append(table[-1] + (1 - share) * run_model + share * run_lookup)
-            self._expected[self.sampling] = table
-        return self._expected[self.sampling][k]
-
-    def tree_expected_tokens(self, tree: TreeShape) -> float:
-        """The tokens a sequence's round of this tree commits: measured, shrunk towards the
-        chain's of its depth times TREE_GAIN."""
-        prior = TREE_GAIN * self.expected_tokens(min(tree.depth, tree.num_nodes, self.max_k))
-        tokens, rounds = self.tree_tokens.get((self.sampling, tree), (0.0, 0.0))
-        return (tokens + TREE_PRIOR_ROUNDS * prior) / (rounds + TREE_PRIOR_ROUNDS)
-
-    def round_tokens(self, choice: Option) -> float:
-        """The tokens a sequence's round of a choice is expected to commit."""
-        if isinstance(choice, TreeShape):
-            return self.tree_expected_tokens(choice)
-        return self.expected_tokens(self.max_k if choice == SSD else choice)
+    def take_ssd(self, cores_ratio: float, branches: int) -> None:
+        """SSD's worker is up, and pre-drafts this many branches per request."""
+        self.ssd_cores_ratio, self.ssd_branches = cores_ratio, branches
 
     def predicted_rate(self, batch: int, choice: Option) -> float | None:
         """Committed tokens per second; None where the model lacks a measurement."""
         if isinstance(choice, TreeShape):
             return self._predicted_tree(batch, choice)
         k = self.max_k if choice == SSD else choice
-        target = self.target(batch * (k + 1))
-        step = self.draft_step(batch) if k else 0.0
+        target = self.estimates.target(batch * (k + 1))
+        step = self.estimates.draft_step(batch) if k else 0.0
         if target is None or step is None:
             return None
         if choice != SSD:  # the draft model runs unless prompt lookup proposed for every sequence
-            return batch * self.expected_tokens(k) / (target + k * step * (1 - self.looked_up() ** batch))
-        return self._predicted_ssd(batch, target, step, self.ssd_slowdown or math.sqrt(self.ssd_cores_ratio))
+            return sd_rate(batch, self.estimates.expected_tokens(k), target,
+                           k * step * (1 - self.estimates.looked_up() ** batch))
+        return self._predicted_ssd(batch, target, step, self.estimates.ssd_slowdown or math.sqrt(self.ssd_cores_ratio))
 
     def _predicted_tree(self, batch: int, tree: TreeShape) -> float | None:
         """A tree's round: the target's pass over its nodes, and its drafting as measured (before
         it ran: a draft step over its `topk` nodes per sequence at each depth)."""
-        target = self.target(batch * (tree.num_nodes + 1))
-        measured = self.tree_draft.get(tree)
+        target = self.estimates.target(batch * (tree.num_nodes + 1))
+        measured = self.estimates.tree_draft.get(tree)
         draft = measured(batch) if measured is not None and measured.rows else None
-        if draft is None and (step := self.draft_step(batch * tree.topk)) is not None:
+        if draft is None and (step := self.estimates.draft_step(batch * tree.topk)) is not None:
             draft = tree.depth * step
         if target is None or draft is None:
             return None
-        return batch * self.tree_expected_tokens(tree) / (target + draft * (1 - self.looked_up() ** batch))
+        return sd_rate(batch, self.estimates.tree_expected_tokens(tree), target,
+                       draft * (1 - self.estimates.looked_up() ** batch))
 
     def _predicted_ssd(self, batch: int, target: float, step: float, slowdown: float) -> float:
         k = self.max_k
-        hits, misses = self.ssd_hits
-        p = (hits + 4 * PRIOR_HIT_RATE) / (hits + misses + 4)
-        e_hit = self.ssd_tokens[0] / hits if hits else self.expected_tokens(k)
-        e_miss = self.ssd_tokens[1] / misses if misses else self.expected_tokens(k)
-        fill = self.draft_step(batch * self.ssd_branches) * k  # all branches, hidden only while it fits
-        return batch * (p * e_hit + (1 - p) * e_miss) / (slowdown * max(target, fill) + (1 - p) * k * step)
+        cache = self.estimates.ssd_cache
+        p = (cache.hits + 4 * PRIOR_HIT_RATE) / (cache.rounds + 4)
+        e_hit, e_miss = (tokens if (tokens := cache.tokens_after(hit)) is not None else self.estimates.expected_tokens(k)
+                         for hit in (True, False))
+        fill = self.estimates.draft_step(batch * self.ssd_branches) * k  # all branches, hidden only while it fits
+        return ssd_rate(batch, p, e_hit, e_miss, slowdown * target, slowdown * fill, k * step)
 
     def ssd_would_pay(self, batch: int, cores_ratio: float) -> bool:
         """Whether SSD, its worker holding 1 - 1 / cores_ratio of the target's cores, is predicted
@@ -240,11 +164,12 @@ class Controller:
         taken to slow in proportion to the cores it loses, not by the square root the choice
         itself assumes: a worker started in vain costs the target a core while it loads, so the
         bar to start one is set higher than the bar to choose SSD once it runs."""
-        target, step = self.target(batch * (self.max_k + 1)), self.draft_step(batch)
-        if sum(self.tried) < MIN_VERIFIED_BEFORE_SSD or target is None or step is None:
+        target, step = self.estimates.target(batch * (self.max_k + 1)), self.estimates.draft_step(batch)
+        if sum(self.estimates.tried) < MIN_VERIFIED_BEFORE_SSD or target is None or step is None:
             return False
         others = [r for k in range(self.max_k + 1) if (r := self.rate(batch, k)) is not None]
-        return max(others) * (1 + HYSTERESIS) < self._predicted_ssd(batch, target, step, self.ssd_slowdown or cores_ratio)
+        slowdown = self.estimates.ssd_slowdown or cores_ratio
+        return max(others) * (1 + HYSTERESIS) < self._predicted_ssd(batch, target, step, slowdown)
 
     def rate(self, batch: int, choice: Option) -> float | None:
         """The measured rate at this batch size, shrunk towards the prediction by PRIOR_ROUNDS
@@ -253,17 +178,12 @@ class Controller:
         passes 1 / (1 - DECAY) = 20, a prediction kept a sixth of the say for ever, and one biased
         (it leaves out a round's overheads) kept auto on a choice measured a quarter slower."""
         predicted = self.predicted_rate(batch, choice)
-        if not self.was_measured(batch, choice):
+        if (measured := self.estimates.measured_rate(batch, choice)) is None:
             return predicted
-        tokens, seconds, rounds = self.measured[(*self.bucket(batch), choice)]
-        observed = tokens / seconds
+        observed, rounds = measured
         if predicted is None:
             return observed
         return (rounds * observed + PRIOR_ROUNDS * predicted) / (rounds + PRIOR_ROUNDS)
-
-    def was_measured(self, batch: int, choice: Option) -> bool:
-        """Whether a round of this choice at this batch size counted (after its warm-up)."""
-        return self.measured.get((*self.bucket(batch), choice), (0, 0, 0))[2] > 0
 
     def is_stale(self, batch: int, choice: Option) -> bool:
         """Whether the choice's measured rate at this batch size is more than REFRESH_ROUNDS
@@ -272,15 +192,14 @@ class Controller:
         otherwise keep auto off a choice for good. The interval doubles because each refresh of
         a choice that stays behind costs a round: every 64 rounds for each of K = 1..5, that is
         a round in 13 spent on choices that lose, for as long as a server runs."""
-        key = (*self.bucket(batch), choice)
-        return self.bucket_rounds[key[:2]] - self.last_measured.get(key, 0) > self.refresh_after.get(key, REFRESH_ROUNDS)
+        key, rounds = self.estimates.rounds_since(batch, choice)
+        return rounds > self.refresh_after.get(key, REFRESH_ROUNDS)
 
     def _refresh(self, batch: int, choice: Option) -> Option:
         """Drops a stale choice's measured rate (its passes' costs stay), so that the round about
         to run measures it anew."""
-        key = (*self.bucket(batch), choice)
-        self.measured[key] = [0.0, 0.0, 0.0]
-        self.last_measured[key] = self.bucket_rounds[key[:2]]
+        key, _ = self.estimates.rounds_since(batch, choice)
+        self.estimates.remeasure(batch, choice)
         self.refresh_after[key] = 2 * self.refresh_after.get(key, REFRESH_ROUNDS)
         return choice
 
@@ -296,34 +215,35 @@ class Controller:
         than it learns (a server at 8 clients that allowed one new request among 8 ran K = 1 in
         most rounds, at 0.8x AR). A lone request may be new: a server's always is while AR runs,
         and auto would never measure SD there again."""
-        if self.target(batch) is None:
-            return self._pick(0)
-        if not self.draft_step.rows:
-            return self._pick(self.max_k)
+        if self.estimates.target(batch) is None:
+            return self.pick(0)
+        if not self.estimates.draft_step.rows:
+            return self.pick(self.max_k)
         choices = self.choices()
         if self.current == SSD and SSD in choices and self.stint < SSD_MIN_ROUNDS:
-            return self._pick(SSD)
+            return self.pick(SSD)
         rates = {c: self.rate(batch, c) for c in choices}
         rates = {c: r for c, r in rates.items() if r is not None}
         best = max(rates, key=rates.get)
         # A try costs a round of that choice: at batch 16 a round of K = 5 runs 96 rows, as long
         # as several AR rounds, and a try of each K costs a 96-token batch a good share of its time.
-        round_s = {c: batch * self.round_tokens(c) / r for c, r in rates.items()}
+        round_s = {c: batch * self.estimates.round_tokens(c) / r for c, r in rates.items()}
         affordable = [c for c in rates if round_s[c] <= TRY_COST * round_s[best]]
         if not can_try:
             affordable = []
-        untried = [c for c in affordable if not self.was_measured(batch, c) and rates[c] >= EXPLORE_WITHIN * rates[best]]
+        untried = [c for c in affordable if not self.estimates.was_measured(batch, c) and rates[c] >= EXPLORE_WITHIN * rates[best]]
         if untried:
-            return self._pick(max(untried, key=rates.get))
+            return self.pick(max(untried, key=rates.get))
         stale = [c for c in affordable if c != self.current and rates[c] >= REFRESH_WITHIN * rates[best]
                  and self.is_stale(batch, c)]
         if stale:
-            return self._pick(self._refresh(batch, max(stale, key=rates.get)))
+            return self.pick(self._refresh(batch, max(stale, key=rates.get)))
         if self.current in rates and rates[best] <= rates[self.current] * (1 + HYSTERESIS):
-            return self._pick(self.current)
-        return self._pick(best)
+            return self.pick(self.current)
+        return self.pick(best)
 
-    def _pick(self, choice: Option) -> Option:
+    def pick(self, choice: Option) -> Option:
+        """Takes this choice for the next round (what choose ends with; `saguaro plan` fixes one)."""
         if self.current is not None and choice != self.current:
             self.switches += 1
             self.stint = 0
@@ -332,229 +252,101 @@ class Controller:
         self.rounds_by_choice[choice] += 1
         return choice
 
-    def record(self, batch: int, k: int, target_s: float, draft_s: float, accepted_lens: list[int],
-               committed: int, draft_prefill_s: float = 0.0, steady_rows: int | None = None,
-               lookup_lens: list[int] = (), waited: bool = False) -> None:
-        """One AR or SD round: its passes' times, the accepted drafts of each sequence the draft
-        model drafted for and (lookup_lens) of each prompt lookup proposed for, kept apart
-        (lookups are accepted far more often on code; mixed, they would make a deep K look good
-        for the model's own tokens), the tokens it committed, and the time the drafter took first
-        to run the prompts it had not seen: SD's price of entry for new requests, charged to the
-        round's rate and not to the draft step.
-        steady_rows: the sequences the draft model drafted one step at a time (None: all), whose
-        K steps draft_s then times; none where the draft first ran the tokens of a stretch
-        without it (catching up on AR rounds is not what a step costs). Prompt lookup's
-        sequences cost no step, so a round where it proposed for some still times the others'.
-        waited: the engine's thread waited during the round (RoundRecord.waited): its times count
-        for the choice's measured rate, and as what its passes cost only where no cost is known
-        at their row count (a machine whose every round waits still gets costs)."""
-        if not waited or batch * (k + 1) not in self.target.rows:
-            self._add_target_pass(batch * (k + 1), target_s)
-        step_rows = batch if steady_rows is None else steady_rows
-        if k and steady_rows != 0 and (not waited or step_rows not in self.draft_step.rows):
-            self.draft_step.add(step_rows, draft_s / k)
-        if k:
-            for table, lens in ((self.verified, accepted_lens), (self.verified_lookup, lookup_lens)):
-                accepted, tried = table[self.sampling]
-                for i in range(self.max_k):  # older rounds fade: the text and the requests change
-                    accepted[i] *= ACCEPTANCE_DECAY
-                    tried[i] *= ACCEPTANCE_DECAY
-                for n in lens:
-                    for i in range(min(n + 1, k)):
-                        tried[i] += 1
-                        accepted[i] += i < n
-            share = self.lookup_share[self.sampling]
-            share[0] = share[0] * ACCEPTANCE_DECAY + len(lookup_lens)
-            share[1] = share[1] * ACCEPTANCE_DECAY + len(lookup_lens) + len(accepted_lens)
-            self._expected.pop(self.sampling, None)
-        self._measure(batch, k, committed, target_s + draft_s + draft_prefill_s)
-
-    def record_tree(self, batch: int, tree: TreeShape, target_s: float, draft_s: float, committed: int,
-                    draft_prefill_s: float = 0.0, steady: bool = True, waited: bool = False) -> None:
-        """One round of SD with token trees: its target pass (rows by its nodes), its drafting
-        (steady: no sequence first caught up on a stretch without the draft) and the tokens it
-        committed; waited as for `record`."""
-        if not waited or batch * (tree.num_nodes + 1) not in self.target.rows:
-            self._add_target_pass(batch * (tree.num_nodes + 1), target_s)
-        drafting = self.tree_draft.setdefault(tree, RowCosts())
-        if steady and (not waited or batch not in drafting.rows):
-            drafting.add(batch, draft_s)
-        sums = self.tree_tokens.setdefault((self.sampling, tree), [0.0, 0.0])
-        sums[0] = sums[0] * ACCEPTANCE_DECAY + committed
-        sums[1] = sums[1] * ACCEPTANCE_DECAY + batch
-        self._measure(batch, tree, committed, target_s + draft_s + draft_prefill_s)
-
-    def _add_target_pass(self, rows: int, seconds: float) -> None:
-        """A target pass's cost; one that contradicts the restored profile drops the draft's
-        restored costs too, so that auto measures both as a fresh process does (AR, then K_max)."""
-        if self.target.add(rows, seconds):
-            self.draft_step.drop_restored()
-
-    def record_ssd(self, batch: int, verify_s: float, wait_s: float, hits: list[bool | None],
-                   committed: list[int]) -> None:
-        """One SSD round after the first of its stint: per sequence, whether the worker had its
-        speculation cached (None: its first round) and the tokens it committed."""
-        full = self.target(batch * (self.max_k + 1))
-        if full:
-            slowdown = verify_s / full
-            self.ssd_slowdown = slowdown if self.ssd_slowdown is None else \
-                self.ssd_slowdown + EMA * (slowdown - self.ssd_slowdown)
-        for hit, tokens in zip(hits, committed):
-            if hit is not None:
-                self.ssd_hits[not hit] += 1
-                self.ssd_tokens[not hit] += tokens
-        self._measure(batch, SSD, sum(committed), verify_s + wait_s)
-
-    def profile(self) -> dict:
-        """What a later process on this machine may start from: the pass costs and the acceptance."""
-        return {"target": [self.target.rows, self.target.seconds],
-                "draft_step": [self.draft_step.rows, self.draft_step.seconds],
-                "verified": {"sampling" if kind else "greedy": counts for kind, counts in self.verified.items()}}
-
-    def start_from(self, profile: dict) -> None:
-        """Takes an earlier process's profile: its costs (each row count still warms up once
-        here) and its acceptance, counted as at most PROFILE_WEIGHT verified drafts a position,
-        so that this process's own rounds soon outweigh it."""
-        for costs, (rows, seconds) in ((self.target, profile["target"]), (self.draft_step, profile["draft_step"])):
-            costs.restore(rows, seconds)
-        for kind in (False, True):
-            accepted, tried = profile["verified"]["sampling" if kind else "greedy"]
-            scales = [min(1.0, PROFILE_WEIGHT / t) if t > 0 else 0.0 for t in tried]
-            pad = [0.0] * self.max_k
-            self.verified[kind] = ([a * c for a, c in zip(accepted, scales)][:self.max_k] + pad)[:self.max_k], \
-                                  ([t * c for t, c in zip(tried, scales)][:self.max_k] + pad)[:self.max_k]
-        self._expected.clear()
-
-    def forget_costs(self) -> None:
-        """Drops the measured pass costs and rates, keeping the acceptance: rounds run while a
-        draft worker was loading on one of the target's cores say little about later ones."""
-        self.target, self.draft_step, self.measured, self.tree_draft = RowCosts(), RowCosts(), {}, {}
-
-    def _measure(self, batch: int, choice: Option, committed: int, seconds: float) -> None:
-        """Adds a round to its choice's rate at this batch size; the first is a warm-up (see RowCosts)."""
-        key = (*self.bucket(batch), choice)
-        self.bucket_rounds[key[:2]] += 1
-        self.last_measured[key] = self.bucket_rounds[key[:2]]
-        if key not in self.measured:
-            self.measured[key] = [0.0, 0.0, 0.0]
-            return
-        sums = self.measured[key]
-        sums[0], sums[1], sums[2] = sums[0] * DECAY + committed, sums[1] * DECAY + seconds, sums[2] + 1
-
     def summary(self) -> dict:
         return {"auto_rounds_by_k": {str(c): n for c, n in self.rounds_by_choice.items()},
-                "auto_switches": self.switches, "auto_acceptance": [round(a, 3) for a in self.acceptance()],
-                "auto_ssd_slowdown": self.ssd_slowdown}
-
-
-def read_profile(path: Path) -> dict | None:
-    """The profile an earlier process left (None: none, or one this version cannot read). A
-    fresh process otherwise spends its first rounds measuring what the last one knew."""
-    try:
-        profile = json.loads(path.read_text())
-        Controller(1).start_from(profile)  # the shape is checked on a throwaway controller
-        return profile
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def write_profile(controller: Controller, path: Path) -> None:
-    """Writes the controller's profile atomically; a cache that cannot be written only costs
-    the next process its first rounds' exploration."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(controller.profile()))
-        os.replace(temporary, path)
-    except OSError:
-        pass
+                "auto_switches": self.switches, "auto_acceptance": [round(a, 3) for a in self.estimates.acceptance()],
+                "auto_ssd_slowdown": self.estimates.ssd_slowdown}
 
 
 @dataclass
 class SSDLauncher:
-    """How auto gets SSD: `start` begins its worker's start in the background. A worker on
-    hardware of its own (another device or host) starts at once; one on the target's own cores
-    only once the controller predicts that SSD pays (`Controller.ssd_would_pay`)."""
+    """How auto gets SSD: `start` begins its worker's start in the background. A worker on hardware of its own (another device or host) starts at
+    once; one on the target's own cores only once the controller predicts that SSD pays
+    (`Controller.ssd_would_pay`), and meanwhile the target keeps off its core."""
     start: Callable[[], Future[RemoteProposer]]
-    cores: CoreShare
+    placement: CorePlacement  # the target's cores with SSD and without
     branches: int  # the branches the worker pre-drafts per request (its first fan-out's sum)
 
     @property
     def on_own_hardware(self) -> bool:
-        return self.cores.ssd == self.cores.all
+        return self.placement.share.ssd == self.placement.share.all
+
+    def begin(self) -> Future[RemoteProposer]:
+        """Starts the worker, the target kept off the cores it takes while it loads."""
+        self.placement.for_ssd()
+        return self.start()
 
 
 class AutoPolicy:
     """Chooses each round (see the module docstring): K = 0 (a plain AR round) or SD with the
-    draft's K, and, once `ssd`'s worker is up, SSD rounds on the cores `cores.ssd`."""
+    draft's K, and, once `ssd`'s worker is up, SSD rounds on the cores its placement leaves the target."""
 
     def __init__(self, draft: DraftProposer, ssd: SSDLauncher | None = None, profile: Path | None = None,
                  trees: list[TreeShape] = ()):
         self.draft = draft
         k = draft.drafter.k
         self.max_k = max([k] + [t.span for t in trees])  # what the engine reserves KV slots for
-        self.controller = Controller(k, trees=list(trees))
-        self.profile = profile  # where the controller's profile is kept for the next process (see read_profile)
+        self.estimates = Estimates(k)
+        self.controller = Controller(k, self.estimates, trees=list(trees),
+                                     ssd_branches=ssd.branches if ssd is not None else 1)
+        self.profile = profile  # where the estimates' profile is kept for the next process (see read_profile)
         if profile is not None:
             if (earlier := read_profile(profile)) is not None:
-                self.controller.start_from(earlier)
-            weakref.finalize(self, write_profile, self.controller, profile)
+                self.estimates.start_from(earlier)
+            weakref.finalize(self, write_profile, self.estimates, profile)
         self._choices = [AR] + [Choice(draft, n, "sd") for n in range(1, k + 1)]
         self._trees = {tree: Choice(draft, tree.depth, "sd", tree) for tree in trees}
         self.launcher, self.ssd_starting = ssd, None
         self.ssd: RemoteProposer | None = None
-        self.cores = ssd.cores if ssd is not None else None
+        self.placement = ssd.placement if ssd is not None else None
         self.worker_loading = False
         self.rounds = 0
-        if ssd is not None:
-            self.controller.ssd_branches = ssd.branches
-            if ssd.on_own_hardware:
-                self._start_ssd()
+        self.fixed: Option | None = None  # the choice of every round while set (fixed_choice)
+        if ssd is not None and ssd.on_own_hardware:
+            self._start_ssd()
 
     def proposers(self) -> list[Proposer]:
         return [self.draft] if self.ssd is None else [self.draft, self.ssd]
 
     def _start_ssd(self) -> None:
         """Starts SSD's worker. While it loads on one of the target's cores, the target keeps off
-        that core: its threads would each wait for the one sharing it."""
-        self.ssd_starting, self.launcher = self.launcher.start(), None
-        self.worker_loading = self.cores.ssd != self.cores.all
-        if self.worker_loading:
-            use_cores(*self.cores.ssd)
+        that core (SSDLauncher.begin): its threads would each wait for the one sharing it."""
+        self.worker_loading = not self.launcher.on_own_hardware
+        self.ssd_starting, self.launcher = self.launcher.begin(), None
 
     def choose(self, seqs: list[Sequence]) -> Choice:
         self._adopt_ssd()
         self.rounds += 1
-        self.controller.sampling = not all(s.params.greedy for s in seqs)
+        self.estimates.for_round(sampling=not all(s.params.greedy for s in seqs))
         if self.profile is not None and self.rounds % PROFILE_ROUNDS == 0:
-            write_profile(self.controller, self.profile)
+            write_profile(self.estimates, self.profile)
         if self.launcher is not None and self.rounds % SSD_CHECK_ROUNDS == 1 and \
-                self.controller.ssd_would_pay(len(seqs), self.cores.ratio):
+                self.controller.ssd_would_pay(len(seqs), self.placement.share.ratio):
             self._start_ssd()
         can_try = len(seqs) == 1 or all(self.draft.knows(s) for s in seqs)
-        choice = self.controller.choose(len(seqs), can_try=can_try)
+        choice = self.controller.choose(len(seqs), can_try=can_try) if self.fixed is None else \
+            self.controller.pick(self.fixed)
         if isinstance(choice, TreeShape):
             return self._trees[choice]
         return Choice(self.ssd, self.controller.max_k, "ssd") if choice == SSD else self._choices[choice]
 
     def observe(self, record: RoundRecord) -> None:
-        """Records the round's costs, acceptance and committed tokens in the controller. The
+        """Records the round's costs, acceptance and committed tokens in the estimates. The
         draft's first run of new prompts (proposal.start_s) is SD's price of entry: charged to
         the round's rate, not to the draft step."""
         proposal, batch = record.proposal, len(record.seqs)
         if record.choice.name == "ssd":
             if proposal is not None and self.controller.stint > 1:  # a measured SSD round
-                self.controller.record_ssd(batch, record.verify_s, record.propose_s, proposal.hits,
-                                           [len(s) - n for s, n in zip(record.seqs, record.lengths_before)])
+                self.estimates.record_ssd(batch, record.verify_s, record.propose_s, record.committed)
             return
         if record.choice.tree is not None and proposal is not None:
-            self.controller.record_tree(batch, record.choice.tree, record.verify_s, record.propose_s, record.committed,
+            self.estimates.record_tree(batch, record.choice.tree, record.verify_s, record.propose_s, record.committed,
                                         proposal.start_s, proposal.steady_rows == batch, record.waited)
             return
         k = record.choice.k if proposal is not None else 0
         looked_up = set(proposal.looked_up) if proposal is not None else set()
         accepted = [o.accepted_len for i, o in enumerate(record.outcomes) if i not in looked_up] if k else []
-        self.controller.record(batch, k, record.verify_s, record.propose_s, accepted, record.committed,
+        self.estimates.record(batch, k, record.verify_s, record.propose_s, accepted, record.committed,
                                proposal.start_s if proposal is not None else 0.0,
                                batch if proposal is None else proposal.steady_rows,
                                [record.outcomes[i].accepted_len for i in sorted(looked_up)], record.waited)
@@ -563,21 +355,30 @@ class AutoPolicy:
         """Takes SSD's proposer once its worker is up (a worker that failed to start leaves auto
         without SSD, with a warning); SSD is no choice while no worker is up."""
         if self.ssd is not None:
-            self.controller.ssd_cores_ratio = self.cores.ratio if self.ssd.available else None
+            self.controller.offer_ssd(self.placement.share.ratio if self.ssd.available else None)
         if self.ssd_starting is None or not self.ssd_starting.done():
             return
         starting, self.ssd_starting = self.ssd_starting, None
         if self.worker_loading:
-            use_cores(*self.cores.all)
+            self.placement.for_all()
             self.worker_loading = False
-            self.controller.forget_costs()
+            self.estimates.forget_costs()
         try:
             self.ssd = starting.result()
         except Exception as e:
             warnings.warn(f"method=auto continues without SSD: its draft worker did not start ({e})", RuntimeWarning)
             return
-        self.controller.ssd_cores_ratio = self.cores.ratio
-        self.controller.ssd_branches = max(1, sum(self.ssd.fan_out))
+        self.controller.take_ssd(self.placement.share.ratio, max(1, sum(self.ssd.fan_out)))
+        self.estimates.read_hits(self.ssd.stats.cache)
+
+    @contextmanager
+    def fixed_choice(self, choice: Option) -> Iterator[None]:
+        """Every round makes this choice meanwhile, measured as usual (`saguaro plan` times each)."""
+        self.fixed = choice
+        try:
+            yield
+        finally:
+            self.fixed = None
 
     def wait_for_ssd(self, start: bool = False) -> None:
         """Blocks until SSD's worker is up (or failed to start); start: starts it first if auto
@@ -601,5 +402,6 @@ class AutoPolicy:
         if self.ssd is not None:
             self.ssd.close()
             self.ssd = None
-            use_cores(*self.cores.all)
+        if self.placement is not None:
+            self.placement.for_all()
         self.draft.close()

@@ -1,5 +1,7 @@
-"""How many bonus-token candidates to cache per accepted length, which backup to use, and what
-AR, SD and SSD would reach on hardware with given pass costs.
+"""The rate model: what AR, SD and SSD commit per second from pass costs, acceptance and hit
+rate (`expected_tokens`, `sd_rate`, `ssd_rate`), and how many bonus-token candidates to cache per
+accepted length and which backup to use. auto's controller, SSD's backup choice and `saguaro
+plan --profile` (`forecast`) all rate their choices here.
 
 The formulas are the paper's (docs/DESIGN.md, "The theory the planner uses"): cache misses fall as a power law in
 fan-out, 1 - p_hit(F) = F^-r; under a branch budget the optimal fan-out is capped geometric;
@@ -12,6 +14,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 EMA = 0.2  # weight of a new measurement of a pass's cost
@@ -64,6 +67,35 @@ def fit_power_law(fan_outs: list[float], miss_rates: list[float]) -> float:
     return -sum(x * y for x, y in points) / den if den > 0 else 1.0
 
 
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    """E_k = 1 + a_1 + a_1 a_2 + ... + a_1...a_k: the tokens a sequence's round of k drafts commits."""
+    total, run = 1.0, 1.0
+    for a in acceptance[:k]:
+        run *= a
+        total += run
+    return total
+
+
+def sd_rate(batch: int, tokens: float, target_s: float, draft_s: float) -> float:
+    """Committed tokens per second of a round of b sequences that each commit `tokens`, after a
+    target pass of target_s and drafting of draft_s (AR: none; SD: k steps; a tree: its levels)."""
+    return batch * tokens / (target_s + draft_s)
+
+
+def ssd_rate(batch: int, p_hit: float, e_hit: float, e_miss: float, verify_s: float, fill_s: float,
+             backup_s: float) -> float:
+    """SSD's committed tokens per second (Theorem 7 with Corollary 16's batch stall): each round
+    the worker fills its cache while the target verifies, hidden only while the fill is the
+    shorter; a round where any of the b sequences missed waits for the backup's backup_s."""
+    tokens = p_hit * e_hit + (1 - p_hit) * e_miss
+    return batch * tokens / (max(verify_s, fill_s) + (1 - p_hit ** batch) * backup_s)
+
+
+def critical_batch_size(fast_wins: Callable[[int], bool], max_batch: int = 256) -> int | None:
+    """b*: the smallest batch at which SSD's fast backup beats the neural one (None: none up to max_batch)."""
+    return next((b for b in range(1, max_batch + 1) if fast_wins(b)), None)
+
+
 @dataclass
 class SpeedModel:
     """Measured quantities, in units of one verification (Theorem 7 and Corollary 16)."""
@@ -78,16 +110,11 @@ class SpeedModel:
     def speedup(self, batch: int, backup: str) -> float:
         """Per-sequence tokens per verification-time, relative to AR."""
         e_miss, t_b = (self.e_neural, self.t_neural) if backup == "neural" else (self.e_fast, self.t_fast)
-        all_hit = self.p_hit ** batch
-        tokens = self.p_hit * self.e_hit + (1 - self.p_hit) * e_miss
-        return tokens / (all_hit * max(1.0, self.t_p) + (1 - all_hit) * (1 + t_b))
+        return ssd_rate(batch, self.p_hit, self.e_hit, e_miss, 1.0, self.t_p, t_b) / batch
 
-    def critical_batch_size(self, max_batch: int = 256) -> int:
-        """The smallest batch at which the fast backup is faster than the neural one."""
-        for b in range(1, max_batch + 1):
-            if self.speedup(b, "fast") > self.speedup(b, "neural"):
-                return b
-        return max_batch + 1
+    def fast_wins(self, batch: int) -> bool:
+        """Whether the fast backup is the faster at this batch size."""
+        return self.speedup(batch, "fast") > self.speedup(batch, "neural")
 
 
 @dataclass
@@ -180,15 +207,6 @@ class RowCosts:
         return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
 
 
-def expected_tokens(acceptance: list[float], k: int) -> float:
-    """E_k = 1 + a_1 + a_1 a_2 + ... + a_1...a_k: the tokens a sequence's round of k drafts commits."""
-    total, run = 1.0, 1.0
-    for a in acceptance[:k]:
-        run *= a
-        total += run
-    return total
-
-
 @dataclass
 class SsdDraft:
     """SSD's own draft where it is not SD's: its worker's hardware hides a draft step, so SSD
@@ -251,6 +269,10 @@ class HardwareProfile:
             fields["ssd_draft"] = SsdDraft.from_json(fields["ssd_draft"])
         return cls(**fields)
 
+    def fast_wins(self, batch: int) -> bool:
+        """Whether SSD does better with the fast backup at this batch size (its forecast's choice)."""
+        return forecast(self, batch).ssd_backup == "fast"
+
 
 @dataclass
 class Forecast:
@@ -272,16 +294,16 @@ class Forecast:
 
 
 def forecast(profile: HardwareProfile, batch: int, sd_ks: list[int] | None = None) -> Forecast:
-    """AR: b / t_T(b). SD: b E_k / (t_T(b (k + 1)) + k t_D(b)) at its best k <= K. SSD: Theorem 7
-    with Corollary 16's batch stall (SpeedModel): a round's verification t_T(b (K + 1)) plus the
-    link, the fill K t_D(b F), a neural miss drafting anew for K t_D(b), a fast one committing
-    about one token; at the fan-out F <= profile.fan_out and the backup that do best, the hit
-    rate following the power law from the profile's. sd_ks: only these k (what an engine ran, to
-    check the forecast against it). SSD drafts with profile.ssd_draft where there is one."""
+    """AR: b / t_T(b). SD: `sd_rate` with k draft steps t_D(b) at its best k <= K. SSD: `ssd_rate`
+    with a round's verification t_T(b (K + 1)) plus the link, the fill K t_D(b F), a neural miss
+    drafting anew for K t_D(b), a fast one committing about one token; at the fan-out F <=
+    profile.fan_out and the backup that do best, the hit rate following the power law from the
+    profile's. sd_ks: only these k (what an engine ran, to check the forecast against it). SSD
+    drafts with profile.ssd_draft where there is one."""
     target, draft = RowCosts.of(profile.target_pass_s), RowCosts.of(profile.draft_step_s)
-    sd_rate = {k: batch * expected_tokens(profile.acceptance, k) / (target(batch * (k + 1)) + k * draft(batch))
-               for k in sd_ks or range(1, len(profile.acceptance) + 1)}
-    sd_k = max(sd_rate, key=sd_rate.get)
+    sd_rates = {k: sd_rate(batch, expected_tokens(profile.acceptance, k), target(batch * (k + 1)), k * draft(batch))
+                for k in sd_ks or range(1, len(profile.acceptance) + 1)}
+    sd_k = max(sd_rates, key=sd_rates.get)
     ssd_side = profile.ssd_draft or profile
     draft = RowCosts.of(ssd_side.draft_step_s)
     k_max = len(ssd_side.acceptance)
@@ -290,17 +312,11 @@ def forecast(profile: HardwareProfile, batch: int, sd_ks: list[int] | None = Non
     best = (0.0, "neural", 1, 0.0)
     for fan_out in range(1, profile.fan_out + 1):
         misses = (1 - ssd_side.hit_rate) * (fan_out / profile.fan_out) ** -profile.power_law_r
-        model = SpeedModel(p_hit=max(0.0, 1 - misses), e_hit=e_k, e_neural=e_k, e_fast=1.0,
-                           t_p=k_max * draft(batch * fan_out) / verify, t_neural=k_max * draft(batch) / verify)
-        for backup in ("neural", "fast"):
-            rate = batch * model.speedup(batch, backup) / verify
+        fill = k_max * draft(batch * fan_out)
+        for backup, e_miss, backup_s in (("neural", e_k, k_max * draft(batch)), ("fast", 1.0, 0.0)):
+            rate = ssd_rate(batch, max(0.0, 1 - misses), e_k, e_miss, verify, fill, backup_s)
             if rate > best[0]:
-                best = (rate, backup, fan_out, model.t_p)
-    ssd_rate, backup, fan_out, t_p = best
-    return Forecast(batch, batch / target(batch), sd_rate[sd_k], sd_k, ssd_rate, backup, fan_out, t_p,
+                best = (rate, backup, fan_out, fill / verify)
+    ssd_tok_s, backup, fan_out, t_p = best
+    return Forecast(batch, batch / target(batch), sd_rates[sd_k], sd_k, ssd_tok_s, backup, fan_out, t_p,
                     (profile.target_devices, profile.target_devices + (0 if profile.draft_on_host else profile.draft_devices)))
-
-
-def critical_batch_size(profile: HardwareProfile, max_batch: int = 256) -> int | None:
-    """b*: the smallest batch at which SSD does better with the fast backup (None: none up to max_batch)."""
-    return next((b for b in range(1, max_batch + 1) if forecast(profile, b).ssd_backup == "fast"), None)

@@ -18,15 +18,15 @@ import torch
 from saguaro.config import Backup, checked_fan_out
 from saguaro.config import TreeShape
 from saguaro.engine.proposal import Outcome, Proposal
-from saguaro.engine.round import RoundRecord
+from saguaro.engine.round import CacheHits, RoundRecord, RowRecord
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.verify import point_masses
 from saguaro.models.llama import scatter_to_vocab
 from saguaro.speculation.local.drafters import FeatureLog
-from saguaro.speculation.policy.planning import GeometricPlan, SpeedModel
+from saguaro.speculation.policy.planning import GeometricPlan, SpeedModel, critical_batch_size
 from saguaro.speculation.protocol import Speculation, dense_probs
 from saguaro.speculation.remote.pool import DraftPool
-from saguaro.system import CoreShare, use_cores
+from saguaro.system import CorePlacement
 
 MISS_CAUSES = ("bonus", "length", "unfilled", "lost")  # RequestSpeculation.miss
 EXPLORE_MISSES = 8  # misses each backup is tried on before auto trusts the speed model
@@ -38,13 +38,13 @@ RECENT = 256
 
 @dataclass
 class SSDStats:
-    """Per-round measurements over the decoder's life (all sequences)."""
+    """Per-round measurements over the decoder's life (all sequences), read off each round's record."""
+    cache: CacheHits = field(default_factory=CacheHits)  # the one count of SSD's cache hits
     hit_lengths: list[int] = field(default_factory=list)  # acceptance length after a hit
     # acceptance lengths after a hit or a miss, in order: the latest, which the fan-out is fitted to
     recent_lengths: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))
     miss_lengths: dict[str, list[int]] = field(default_factory=lambda: {"neural": [], "fast": []})
     lookup_lengths: list[int] = field(default_factory=list)  # after a prompt-lookup speculation
-    lookup_hits: int = 0  # rounds whose outcome the cache held, but a lookup was sent instead
     verify_s: list[float] = field(default_factory=list)
     fill_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)  # target idle, waiting for the draft
@@ -60,14 +60,13 @@ class SSDStats:
     committed_tokens: int = 0  # tokens SSD rounds committed
 
     def summary(self) -> dict:
-        hits = len(self.hit_lengths) + self.lookup_hits
-        rounds = len(self.hit_lengths) + sum(len(v) for v in self.miss_lengths.values()) + len(self.lookup_lengths)
+        cache = self.cache
         mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
         median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
         return {
-            "cache_hits": hits,
-            "cache_hit_rate": hits / rounds if rounds else None,
-            "lookup_rate": len(self.lookup_lengths) / rounds if rounds else None,
+            "cache_hits": cache.hits,
+            "cache_hit_rate": cache.rate,
+            "lookup_rate": cache.lookup_rounds / cache.rounds if cache.rounds else None,
             "acceptance_length_hit": mean(self.hit_lengths),
             "acceptance_length_lookup": mean(self.lookup_lengths),
             "acceptance_length_miss_neural": mean(self.miss_lengths["neural"]),
@@ -90,15 +89,13 @@ class SSDStats:
 
 
 class RemoteProposer:
-    """SSD's proposals, from the draft workers of `pool`. cores: the cores the target keeps
-    while SSD runs where its worker holds some of this machine's (None: the worker has its own
-    device or host). cores_before: the cores this process had before the worker took some,
-    given back by close. plan: re-fits a geometric fan-out as it runs."""
+    """SSD's proposals, from the draft workers of `pool`. placement: where the target runs
+    while SSD does, and after (None: the worker has its own device or host, and the target
+    every core). plan: re-fits a geometric fan-out as it runs."""
     reads_target_features = False
 
     def __init__(self, pool: DraftPool, backup: Backup = Backup.AUTO, plan: GeometricPlan | None = None,
-                 vocab_size: int | None = None, cores: CoreShare | None = None,
-                 cores_before: tuple[set[int], int] | None = None):
+                 vocab_size: int | None = None, placement: CorePlacement | None = None):
         self.pool, self.backup = pool, Backup(backup)
         self.k = pool.k
         self.outcomes: dict[int, Outcome | None] = {}  # the sequences the workers know, and their last outcome
@@ -113,8 +110,7 @@ class RemoteProposer:
         self._new_fan_out: list[int] | None = None
         self.plan = plan
         self.branch_budget = plan.budget if plan else None
-        self.cores = cores
-        self.cores_before = cores_before  # given back by close (see build.split_cores)
+        self.placement = placement
         self._sent: tuple[Speculation, Backup, list[Outcome | None], float] | None = None  # the round in flight
         self._rounds = 0
 
@@ -135,8 +131,14 @@ class RemoteProposer:
             for seq, h in zip(seqs, hidden):
                 self.features.add(seq.seq_id, h)
 
+    def reset_stats(self) -> None:
+        """Counts SSD's figures afresh (a benchmark's, per group of requests); its backup choice and
+        fan-out plan start again from the priors. Not for auto's SSD: its controller reads the hits."""
+        self.stats = SSDStats()
+
     def metrics(self) -> dict:
-        return {**self.stats.summary(), **self.pool.metrics()}
+        """SSD's summary, its cache hits under vLLM's names, and the pool's worker losses."""
+        return {**self.stats.cache.summary(), **self.stats.summary(), **self.pool.metrics()}
 
     def propose(self, seqs: list[Sequence], k: int, tree: TreeShape | None = None) -> Proposal | None:
         """The workers' speculation; sequences they do not know are handed to them first, from
@@ -148,8 +150,8 @@ class RemoteProposer:
             if self.features is not None and self.pool.gone:
                 self.features = None  # no worker will read them again
             return None
-        if self.cores is not None:
-            use_cores(*self.cores.ssd)  # every round: a caller may have moved this process meanwhile
+        if self.placement is not None:
+            self.placement.for_ssd()  # a caller may have moved this process since the last round
         started = time.perf_counter()
         if new := [s for s in seqs if s.seq_id not in self.outcomes]:
             for seq in new:
@@ -168,12 +170,13 @@ class RemoteProposer:
             masses = point_masses(tokens, self.vocab_size)
             probs = torch.stack([m if r.probs is None else self._to_vocab(dense_probs(r.probs))
                                  for m, r in zip(masses, spec.requests)])
-        return Proposal(tokens, probs, hits=[r.hit for r in spec.requests], start_s=asked - started)
+        return Proposal(tokens, probs, looked_up=[i for i, r in enumerate(spec.requests) if r.lookup],
+                        hits=[r.hit for r in spec.requests], start_s=asked - started)
 
     def observe(self, record: RoundRecord) -> None:
         spec, backup, previous, wait_s = self._sent
         self._sent = None
-        self._record(previous, spec, record.outcomes, backup, wait_s, record.verify_s)
+        self._record(previous, spec, record.rows, backup, wait_s, record.verify_s)
         for seq, outcome in zip(record.seqs, record.outcomes):
             self.outcomes[seq.seq_id] = outcome
         self._rounds += 1
@@ -193,8 +196,8 @@ class RemoteProposer:
         """The workers forget their sequences (stale from here: they hear only the outcomes of
         SSD rounds) and the target gets back the cores SSD left it."""
         self.forget(list(self.outcomes))
-        if self.cores is not None:
-            use_cores(*self.cores.all)
+        if self.placement is not None:
+            self.placement.for_all()
 
     def release(self, seq_ids: list[int]) -> None:
         self.forget(seq_ids)
@@ -222,7 +225,7 @@ class RemoteProposer:
             return probs
         return scatter_to_vocab(probs, self.draft_head_ids, self.vocab_size)
 
-    def _record(self, previous: list[Outcome | None], spec: Speculation, outcomes: list[Outcome], backup: Backup,
+    def _record(self, previous: list[Outcome | None], spec: Speculation, rows: list[RowRecord], backup: Backup,
                 wait_s: float, verify_s: float) -> None:
         stats = self.stats
         if stats.verify_s and spec.fill_time_s > 0:
@@ -235,19 +238,19 @@ class RemoteProposer:
         stats.wait_s.append(wait_s)
         stats.shared_hits += sum(r.shared for r in spec.requests)
         stats.drafted_tokens += spec.drafted_tokens
-        stats.committed_tokens += sum(o.accepted_len + 1 for o in outcomes)
+        stats.committed_tokens += sum(row.accepted_len + 1 for row in rows)
         if any(not r.hit and not r.lookup for r in spec.requests):
             stats.backup_s[backup].append(spec.backup_time_s)  # a lookup needs no backup
-        for before, request, outcome in zip(previous, spec.requests, outcomes):
-            if before is None or request.hit is None:
+        for before, request, row in zip(previous, spec.requests, rows):
+            if before is None or row.hit is None:
                 continue  # a request's first round cannot hit
-            if request.lookup:
-                stats.lookup_lengths.append(outcome.accepted_len + 1)
-                stats.lookup_hits += request.hit
+            stats.cache.add(row)
+            if row.looked_up:
+                stats.lookup_lengths.append(row.accepted_len + 1)
             else:
-                (stats.hit_lengths if request.hit else stats.miss_lengths[backup]).append(outcome.accepted_len + 1)
-                stats.recent_lengths.append(outcome.accepted_len + 1)
-                if not request.hit:
+                (stats.hit_lengths if row.hit else stats.miss_lengths[backup]).append(row.accepted_len + 1)
+                stats.recent_lengths.append(row.accepted_len + 1)
+                if not row.hit:
                     stats.miss_causes[request.miss] += 1
 
     def speed_model(self) -> SpeedModel:
@@ -255,7 +258,7 @@ class RemoteProposer:
         yet (the paper found neural backup best at batch 1, fast from batch 2), from the
         RECENT latest of each measurement."""
         s = self.stats
-        hits, misses = len(s.hit_lengths), sum(len(v) for v in s.miss_lengths.values())
+        hits, misses = s.cache.drafted
         mean = lambda xs, default: statistics.fmean(xs[-RECENT:]) if xs else default  # noqa: E731
         median = lambda xs, default: statistics.median(xs[-RECENT:]) if xs else default  # noqa: E731
         verify = median(s.verify_s, 1.0)
@@ -279,11 +282,11 @@ class RemoteProposer:
         tried = {kind: len(lengths) for kind, lengths in self.stats.miss_lengths.items()}
         if min(tried.values()) < EXPLORE_MISSES:
             return Backup(min(tried, key=tried.get))
-        return Backup.NEURAL if batch_size < self.speed_model().critical_batch_size() else Backup.FAST
+        b_star = critical_batch_size(self.speed_model().fast_wins)
+        return Backup.FAST if b_star is not None and batch_size >= b_star else Backup.NEURAL
 
     def close(self) -> None:
         """Stops the draft workers (also done at exit) and gives back the cores they had."""
         self.pool.close()
-        if self.cores_before is not None:
-            use_cores(*self.cores_before)
-            self.cores_before = None
+        if self.placement is not None:
+            self.placement.for_all()
