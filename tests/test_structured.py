@@ -178,8 +178,8 @@ def test_bad_parameters_are_refused_by_name(bad, field):
 
 def test_masks_follow_the_draft_and_leave_the_matcher_where_it_was(tiny_tokenizer):
     matcher = GrammarMatcher(StructuredOutputs(regex=PATTERN), grammar_tokenizer(tiny_tokenizer, [EOS]))
-    masks = matcher.masks([[], [3], [3, 4], [3, 4, 1], [3, 7, 1]], TINY_V)
-    legal = [set(row.nonzero()[:, 0].tolist()) for row in masks]
+    illegal = matcher.masks([[], [3], [3, 4], [3, 4, 1], [3, 7, 1]]).illegal(TINY_V)
+    legal = [set((~row).nonzero()[:, 0].tolist()) for row in illegal]
     assert legal[:4] == [{3}, {4, 5}, {EOS, 1, 3}, {2}]
     assert legal[4] == set(range(TINY_V))  # after an illegal draft: unreachable, left unmasked
     assert matcher.forced(5, {EOS}) == [3]  # still at the start
@@ -249,9 +249,8 @@ def forced_ignoring_stop_tokens(self, limit, stop_ids):
     """A forced-token check that does not count stop tokens as legal choices."""
     run = []
     while len(run) < limit and not self.matcher.is_stopped():
-        row = numpy.zeros(self.vocab_size, dtype=numpy.bool_)
-        self.mask_into(row)
-        allowed = [t for t in row.nonzero()[0].tolist() if t not in stop_ids]
+        legal = ~self.masks([[]]).illegal(self.vocab_size)[0]
+        allowed = [t for t in legal.nonzero()[:, 0].tolist() if t not in stop_ids]
         if len(allowed) != 1:
             break
         self.matcher.consume_token(allowed[0])
