@@ -89,7 +89,8 @@ class LogitsProcessor:
             return
         counts = torch.zeros(len(contexts), len(columns))
         if output_ids:
-            counts += torch.bincount(torch.searchsorted(columns, torch.tensor(output_ids)), minlength=len(columns)).float()
+            output_columns = torch.searchsorted(columns, torch.tensor(output_ids))
+            counts += torch.bincount(output_columns, minlength=len(columns)).float()
         if drafted:
             rows = torch.tensor([j for j, context in enumerate(contexts) for _ in context])
             counts.index_put_((rows, torch.searchsorted(columns, torch.tensor(drafted))), torch.ones(len(drafted)),
