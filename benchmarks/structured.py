@@ -1,12 +1,18 @@
-"""Structured outputs' cost and gain: decode tokens/s of the same requests under a JSON schema
-and unconstrained, per method and batch size, the grammar's mask time as a share of the
-decoding time, and the share of output tokens the grammar forced (the only legal token where
-it stood: what jump-forward commits without a draft). Constrained and unconstrained runs take
-turns request group by request group (the machine's speed drifts). Every constrained output is
-checked against its schema (jsonschema).
+"""Structured outputs' cost and gain, per method and batch size: decode tokens/s of the same
+requests under a JSON schema and unconstrained (their medians over request groups, the two
+taking turns group by group, since the machine's speed drifts), their ratio, the ratio of the
+median request's decode tokens/s (a batch whose constrained requests end early runs part of
+its time below full width, which lowers the batch's rate but not each request's), the share of the
+constrained decode time spent on the grammar (computing and applying masks, finding forced
+tokens: in this process, so not the SSD worker's, which it hides), and the share of output
+tokens the grammar forced (the only legal token where it stood: what jump-forward commits
+without a draft). Every constrained output that ends is checked against its schema
+(jsonschema). The peer: llama.cpp (llama-cpp-python) on the same GGUF file, prompts and
+schemas, greedy, its own grammar from each schema (`LlamaGrammar.from_json_schema`), one
+request at a time (batch 1 only); skipped with a note when llama_cpp is not installed.
 
     python benchmarks/structured.py [--methods ar,sd,ssd,auto,trees] [--batch-sizes 1,8] \
-        [--groups 3] [--max-tokens 96] [--temperature 0]
+        [--groups 3] [--max-tokens 96] [--temperature 0] [--no-llamacpp]
 """
 from __future__ import annotations
 
@@ -16,10 +22,13 @@ import statistics
 import time
 
 import jsonschema
-import numpy
+import torch
 
 from saguaro import LLM, SamplingParams
+from saguaro.bench import peers
+from saguaro.engine.processing import LogitsProcessor
 from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, grammar_tokenizer
+from saguaro.models import hub
 
 SCHEMAS = [
     ("a person", {"type": "object", "properties": {
@@ -49,14 +58,14 @@ METHODS = {"ar": dict(method="ar"), "sd": dict(method="sd"), "ssd": dict(method=
            "trees": dict(method="sd", num_speculative_tokens=4, tree_topk=3, num_draft_tokens=8)}
 
 
-class MaskClock:
-    """Time spent in the grammar's masks (verification's, the draft's and jump-forward's)."""
+class GrammarClock:
+    """Time spent on processing (for json_schema requests: the grammar's masks, computed and
+    applied, on the target's and the local draft's logits) and on finding forced tokens."""
 
     def __init__(self):
         self.seconds = 0.0
-        for name in ("masks", "forced"):
-            original = getattr(GrammarMatcher, name)
-            setattr(GrammarMatcher, name, self.timed(original))
+        for owner, name in ((LogitsProcessor, "process_"), (GrammarMatcher, "forced")):
+            setattr(owner, name, self.timed(getattr(owner, name)))
 
     def timed(self, method):
         def run(*args, **kwargs):
@@ -73,12 +82,92 @@ def forced_share(llm: LLM, schema: dict, output: list[int]) -> tuple[int, int]:
     matcher = GrammarMatcher(StructuredOutputs(json=schema), grammar_tokenizer(llm.tokenizer, llm.eos_token_ids))
     forced = 0
     for token in output:
-        row = numpy.zeros(matcher.vocab_size, dtype=numpy.bool_)
-        matcher.mask_into(row)
-        forced += int(row.sum()) == 1
+        forced += matcher.only_legal_token() is not None
         if not matcher.commit(token):
             break
     return forced, len(output)
+
+
+def validates(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def requests(group: int, batch: int) -> list[tuple[list[dict], dict]]:
+    """A group's (chat prompt, schema) pairs: the schemas in turn."""
+    picked = [SCHEMAS[(group * batch + i) % len(SCHEMAS)] for i in range(batch)]
+    return [([{"role": "user", "content": f"Reply with JSON describing {what}."}], schema) for what, schema in picked]
+
+
+def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: GrammarClock) -> dict:
+    rates: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
+    per_request: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
+    grammar_share, forced, tokens, valid, ended = [], 0, 0, 0, 0
+    for group in range(args.groups + 1):  # the first group warms up, uncounted
+        picked = requests(group, batch)
+        for mode in ("json_schema", "unconstrained"):
+            params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=group,
+                                     structured_outputs=StructuredOutputs(json=schema) if mode == "json_schema"
+                                     else None) for _, schema in picked]
+            clock.seconds = 0.0
+            started = time.perf_counter()
+            outputs = llm.generate([prompt for prompt, _ in picked], params, use_tqdm=False)
+            decode_s = time.perf_counter() - started - max(o.metrics.ttft_s for o in outputs)
+            if group == 0:
+                continue
+            rates[mode].append(sum(len(o.token_ids) - 1 for o in outputs) / decode_s)
+            per_request[mode] += [o.metrics.decode_tokens_per_s for o in outputs]
+            if mode == "json_schema":
+                grammar_share.append(clock.seconds / decode_s)
+                for (_, schema), out in zip(picked, outputs):
+                    f, n = forced_share(llm, schema, out.token_ids)
+                    forced, tokens = forced + f, tokens + n
+                    if out.finish_reason == "stop":
+                        ended += 1
+                        valid += validates(out.text, schema)
+    return row(method, batch, rates, per_request, statistics.median(grammar_share), forced / max(tokens, 1), valid,
+               ended)
+
+
+def measure_llamacpp(llm: LLM, args: argparse.Namespace) -> dict | None:
+    """The llama.cpp peer at batch 1, its requests as saguaro's (the same prompt tokens)."""
+    try:
+        from llama_cpp import LlamaGrammar
+        llama = peers.load_llamacpp(hub.resolve(hub.DEFAULT_MODEL), torch.get_num_threads(), 2048)
+    except ImportError as error:
+        print(f"llama.cpp peer skipped: {error}", flush=True)
+        return None
+    rates: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
+    valid, ended = 0, 0
+    for group in range(args.groups + 1):
+        [(prompt, schema)] = requests(group, 1)
+        ids = llm.encode(prompt)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        for mode in ("json_schema", "unconstrained"):
+            grammar = (LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+                       if mode == "json_schema" else None)
+            [record] = peers.generate_llamacpp(llama, [ids], params, [grammar])
+            if group == 0:
+                continue
+            rates[mode].append(record["decode_tokens_per_s"])
+            output = record["token_ids"]
+            if mode == "json_schema" and output[-1] == llama.token_eos():
+                ended += 1
+                valid += validates(llama.detokenize(output[:-1]).decode(errors="replace"), schema)
+    return row("llama.cpp", 1, rates, rates, None, None, valid, ended)
+
+
+def row(method: str, batch: int, rates: dict[str, list[float]], per_request: dict[str, list[float]],
+        grammar_share: float | None, forced: float | None, valid: int, ended: int) -> dict:
+    constrained, free = statistics.median(rates["json_schema"]), statistics.median(rates["unconstrained"])
+    return {"method": method, "batch": batch, "json_schema_tok_s": constrained, "unconstrained_tok_s": free,
+            "ratio": constrained / free,
+            "request_ratio": (statistics.median(per_request["json_schema"])
+                              / statistics.median(per_request["unconstrained"])),
+            "grammar_share": grammar_share, "forced_share": forced, "valid": f"{valid}/{ended}"}
 
 
 def main() -> None:
@@ -88,56 +177,31 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=3, help="request groups per method and batch size")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--no-llamacpp", dest="llamacpp", action="store_false", help="skip the llama.cpp peer")
     args = parser.parse_args()
-    clock = MaskClock()
+    clock = GrammarClock()
     rows = []
     for method in args.methods.split(","):
         llm = LLM(**METHODS[method])
         for batch in (int(b) for b in args.batch_sizes.split(",")):
-            rates = {"json_schema": [], "unconstrained": []}
-            mask_share, forced, tokens, valid, total = [], 0, 0, 0, 0
-            for group in range(args.groups + 1):  # the first group warms up, uncounted
-                picked = [SCHEMAS[(group * batch + i) % len(SCHEMAS)] for i in range(batch)]
-                prompts = [[{"role": "user", "content": f"Reply with JSON describing {what}."}] for what, _ in picked]
-                for mode in ("json_schema", "unconstrained"):
-                    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=group,
-                                             structured_outputs=StructuredOutputs(json=schema)
-                                             if mode == "json_schema" else None) for _, schema in picked]
-                    clock.seconds = 0.0
-                    started = time.perf_counter()
-                    outputs = llm.generate(prompts, params, use_tqdm=False)
-                    seconds = time.perf_counter() - started
-                    if group == 0:
-                        continue
-                    decode_s = seconds - max(o.metrics.ttft_s for o in outputs)
-                    rates[mode].append(sum(len(o.token_ids) - 1 for o in outputs) / decode_s)
-                    if mode == "json_schema":
-                        mask_share.append(clock.seconds / seconds)
-                        for (_, schema), out in zip(picked, outputs):
-                            f, n = forced_share(llm, schema, out.token_ids)
-                            forced, tokens = forced + f, tokens + n
-                            if out.finish_reason == "stop":
-                                total += 1
-                                try:
-                                    jsonschema.validate(json.loads(out.text), schema)
-                                    valid += 1
-                                except (ValueError, jsonschema.ValidationError):
-                                    pass
-            row = {"method": method, "batch": batch,
-                   "json_schema_tok_s": statistics.median(rates["json_schema"]),
-                   "unconstrained_tok_s": statistics.median(rates["unconstrained"]),
-                   "mask_share": statistics.median(mask_share), "forced_share": forced / max(tokens, 1),
-                   "valid": f"{valid}/{total}"}
-            row["ratio"] = row["json_schema_tok_s"] / row["unconstrained_tok_s"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(measure(llm, method, batch, args, clock))
+            print(json.dumps(rows[-1]), flush=True)
+        if args.llamacpp and method == args.methods.split(",")[-1]:
+            if (peer := measure_llamacpp(llm, args)) is not None:
+                rows.append(peer)
+                print(json.dumps(peer), flush=True)
         llm.close()
-    print(f"\nT = {args.temperature}, max_tokens {args.max_tokens}, {args.groups} groups per cell")
-    print(f"{'method':8s} {'batch':>5s} {'schema tok/s':>12s} {'free tok/s':>10s} {'ratio':>6s} {'mask':>6s} "
-          f"{'forced':>7s} {'valid':>7s}")
+    print(f"\nT = {args.temperature}, max_tokens {args.max_tokens}, medians over {args.groups} request groups a "
+          f"cell; ratio: schema / free tok/s of the batch, per req: of the median request; grammar: share of the "
+          f"constrained decode time; forced: share of its output tokens; valid: "
+          f"outputs that validate / outputs that ended (not cut at max_tokens)")
+    print(f"{'method':9s} {'batch':>5s} {'schema tok/s':>12s} {'free tok/s':>10s} {'ratio':>6s} {'per req':>7s} "
+          f"{'grammar':>8s} {'forced':>7s} {'valid':>7s}")
     for r in rows:
-        print(f"{r['method']:8s} {r['batch']:5d} {r['json_schema_tok_s']:12.1f} {r['unconstrained_tok_s']:10.1f} "
-              f"{r['ratio']:6.2f} {r['mask_share']:6.1%} {r['forced_share']:7.1%} {r['valid']:>7s}")
+        share = "-" if r["grammar_share"] is None else f"{r['grammar_share']:.1%}"
+        forced = "-" if r["forced_share"] is None else f"{r['forced_share']:.1%}"
+        print(f"{r['method']:9s} {r['batch']:5d} {r['json_schema_tok_s']:12.1f} {r['unconstrained_tok_s']:10.1f} "
+              f"{r['ratio']:6.2f} {r['request_ratio']:7.2f} {share:>8s} {forced:>7s} {r['valid']:>7s}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from saguaro.engine.processing import LogitsProcessor, chain_contexts
 from saguaro.engine.runner import forward_chunks
 from saguaro.engine.sampler import sample
 from saguaro.engine.sequence import Sequence
-from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, grammar_tokenizer
+from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, TokenMasks, grammar_tokenizer
 from saguaro.models import hub
 from saguaro.models.kv_cache import new_cache
 from saguaro.models.tokenizer import FolderTokenizer
@@ -178,12 +178,30 @@ def test_bad_parameters_are_refused_by_name(bad, field):
 
 def test_masks_follow_the_draft_and_leave_the_matcher_where_it_was(tiny_tokenizer):
     matcher = GrammarMatcher(StructuredOutputs(regex=PATTERN), grammar_tokenizer(tiny_tokenizer, [EOS]))
-    masks = matcher.masks([[], [3], [3, 4], [3, 4, 1], [3, 7, 1]], TINY_V)
-    legal = [set(row.nonzero()[:, 0].tolist()) for row in masks]
+    illegal = matcher.masks([[], [3], [3, 4], [3, 4, 1], [3, 7, 1]]).illegal(TINY_V)
+    legal = [set((~row).nonzero()[:, 0].tolist()) for row in illegal]
     assert legal[:4] == [{3}, {4, 5}, {EOS, 1, 3}, {2}]
     assert legal[4] == set(range(TINY_V))  # after an illegal draft: unreachable, left unmasked
     assert matcher.forced(5, {EOS}) == [3]  # still at the start
     assert matcher.commit(3) and matcher.forced(5, {EOS}) == []
+
+
+@pytest.mark.parametrize("width", [2_000, 2_048, 2_100])  # narrower, as wide as, wider than the bitmask
+def test_token_masks_set_minus_infinity_exactly_at_the_illegal_tokens(width):
+    """Rows with few legal tokens (filled, then the legal ones put back), with most legal (the
+    illegal ones set), one unreachable row (left alone), against a mask unpacked bit by bit."""
+    rng = numpy.random.default_rng(0)
+    words = 64  # 2,048 tokens
+    legal = numpy.stack([rng.random(words * 32) < share for share in (0.002, 0.3, 0.7, 0.998, 0.5)])
+    bits = (legal.reshape(5, words, 32) << numpy.arange(32, dtype=numpy.uint64)).sum(-1).astype(numpy.uint32)
+    logits = torch.randn(5, width, generator=torch.Generator().manual_seed(1))
+    masked = logits.clone()
+    TokenMasks(bits.view(numpy.int32), unreachable=[4]).apply_(masked)
+    allowed = numpy.zeros((5, width), dtype=bool)
+    allowed[:, :min(width, words * 32)] = legal[:, :width]
+    allowed[4] = True
+    expected = logits.masked_fill(~torch.from_numpy(allowed), float("-inf"))
+    assert torch.equal(masked, expected)
 
 
 def test_penalties_along_a_draft_equal_penalties_after_committing_it(tiny_tokenizer):
@@ -249,9 +267,8 @@ def forced_ignoring_stop_tokens(self, limit, stop_ids):
     """A forced-token check that does not count stop tokens as legal choices."""
     run = []
     while len(run) < limit and not self.matcher.is_stopped():
-        row = numpy.zeros(self.vocab_size, dtype=numpy.bool_)
-        self.mask_into(row)
-        allowed = [t for t in row.nonzero()[0].tolist() if t not in stop_ids]
+        legal = ~self.masks([[]]).illegal(self.vocab_size)[0]
+        allowed = [t for t in legal.nonzero()[:, 0].tolist() if t not in stop_ids]
         if len(allowed) != 1:
             break
         self.matcher.consume_token(allowed[0])

@@ -154,10 +154,12 @@ def load_llamacpp(path: Path, threads: int, context: int):
     return Llama(str(path), n_ctx=context, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
 
 
-def generate_llamacpp(llama, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
+def generate_llamacpp(llama, prompts: list[list[int]], params: SamplingParams, grammars: list | None = None
+                      ) -> list[dict]:
     """Each prompt decoded alone from an empty cache (llama-cpp-python decodes one sequence at a
     time), sampling from the whole distribution at the temperature, as saguaro does; records in
-    the shape of transformers' (see `generate`)."""
+    the shape of transformers' (see `generate`). grammars: a `llama_cpp.LlamaGrammar` (or None)
+    per prompt, which llama.cpp's sampler then enforces."""
     sampling = dict(temp=params.temperature, top_k=0, top_p=1.0, min_p=0.0) if params.temperature > 0 else \
         dict(temp=0.0, top_k=1)
     eos = None if params.ignore_eos else llama.token_eos()
@@ -167,7 +169,7 @@ def generate_llamacpp(llama, prompts: list[list[int]], params: SamplingParams) -
         if params.seed is not None:
             llama.set_seed(params.seed + i)
         started, times, tokens = time.perf_counter(), [], []
-        for token in llama.generate(prompt, **sampling):
+        for token in llama.generate(prompt, grammar=grammars[i] if grammars else None, **sampling):
             times.append(time.perf_counter())
             tokens.append(token)
             if len(tokens) == params.max_tokens or token == eos:

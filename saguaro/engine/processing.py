@@ -3,7 +3,7 @@ and grammar applied to a model's raw logits, given the tokens before that positi
 
 Inside a speculation round the tokens before position j are the committed ones and the drafted
 tokens before j (a chain's first j drafts, a tree node's ancestors). Verification (target) and
-drafting (draft model, SSD worker) both call `LogitsProcessor.process`, so the target's
+drafting (draft model, SSD worker) both call `process_rows`, so the target's
 distribution that verification compares against and the draft's proposal are processed alike.
 `warp` then applies temperature, top-k, top-p and min-p. Order, as vLLM's: logit bias, then
 the repetition penalty (HF: a seen token's positive logit divided by it, a negative one
@@ -43,43 +43,66 @@ class LogitsProcessor:
     def process(self, logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
                 contexts: list[list[int]]) -> torch.Tensor:
         """logits [T, V] at T positions; contexts[j]: the drafted tokens before position j (after
-        the output). Returns new fp32 logits [T, V]."""
+        the output). Returns new fp32 logits [T, V]; the caller's stay as they were."""
+        out = logits.float().clone()
+        self.process_(out, prompt_ids, output_ids, contexts)
+        return out
+
+    def process_(self, logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
+                 contexts: list[list[int]]) -> None:
+        """`process` in place on contiguous fp32 logits [T, V]. Each step indexes only what it
+        changes (the biased tokens, the tokens seen, the stop tokens, the grammar's minority of
+        legal or illegal tokens): nothing vocabulary-wide is built per call."""
         p = self.params
-        T, V = logits.shape
-        device = logits.device
-        out = logits.float()  # every step below makes a new tensor: the caller's stays as it was
+        short = [j for j, context in enumerate(contexts) if len(output_ids) + len(context) < p.min_tokens]
+        # min_tokens against a grammar that allows only a stop token: the grammar wins (over the raw logits)
+        raw = logits.clone() if short and self.grammar is not None else None
         if self._bias is not None:
             ids, values = self._bias
-            keep = ids < V
-            bias = torch.zeros(V).index_put_((ids[keep],), values[keep])
-            out = out + bias.to(device)
+            keep = ids < logits.shape[1]
+            logits[:, ids[keep].to(logits.device)] += values[keep].to(logits.device)
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-            counts = torch.zeros(T, V)
-            if output_ids:
-                counts += torch.bincount(torch.tensor(output_ids), minlength=V)[:V].float()
-            drafted = [(j, t) for j, context in enumerate(contexts) for t in context]
-            if drafted:
-                rows, tokens = torch.tensor(drafted).T
-                counts.index_put_((rows, tokens), torch.ones(len(drafted)), accumulate=True)
-            counts = counts.to(device)
-            if p.repetition_penalty != 1.0:
-                seen = counts > 0
-                seen[:, torch.tensor(prompt_ids, device=device)] = True
-                r = p.repetition_penalty
-                out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
-            out = out - (p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float())
-        short = [j for j, context in enumerate(contexts) if len(output_ids) + len(context) < p.min_tokens]
+            self._penalize(logits, prompt_ids, output_ids, contexts)
         if short and self.stop_ids:
-            stop = torch.tensor([t for t in self.stop_ids if t < V], device=device)
-            out = out.index_put((torch.tensor(short, device=device)[:, None], stop[None]), torch.tensor(float("-inf")))
+            stop = torch.tensor([t for t in self.stop_ids if t < logits.shape[1]], device=logits.device)
+            logits[torch.tensor(short, device=logits.device)[:, None], stop[None]] = float("-inf")
         if self.grammar is not None:
-            allowed = self.grammar.masks(contexts, V).to(device)
-            masked = out.masked_fill(~allowed, float("-inf"))
-            if short:  # min_tokens against a grammar that allows only a stop token: the grammar wins
-                dead = ~torch.isfinite(masked).any(-1, keepdim=True)
-                masked = torch.where(dead, logits.float().masked_fill(~allowed, float("-inf")), masked)
-            out = masked
-        return out
+            masks = self.grammar.masks(contexts)
+            masks.apply_(logits)
+            if raw is not None:
+                dead = ~torch.isfinite(logits).any(-1)
+                if dead.any():
+                    masks.apply_(raw)
+                    logits[dead] = raw[dead]
+
+    def _penalize(self, logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
+                  contexts: list[list[int]]) -> None:
+        """Repetition, frequency and presence penalties at each position, on the columns of the
+        tokens seen only (the output's, the drafts', and the prompt's for repetition): a count
+        matrix [T, tokens seen] instead of one over the vocabulary."""
+        p = self.params
+        device = logits.device
+        drafted = [t for context in contexts for t in context]
+        prompt = prompt_ids if p.repetition_penalty != 1.0 else []
+        columns = torch.tensor(output_ids + drafted + prompt, dtype=torch.long).unique()  # sorted
+        if not len(columns):
+            return
+        counts = torch.zeros(len(contexts), len(columns))
+        if output_ids:
+            output_columns = torch.searchsorted(columns, torch.tensor(output_ids))
+            counts += torch.bincount(output_columns, minlength=len(columns)).float()
+        if drafted:
+            rows = torch.tensor([j for j, context in enumerate(contexts) for _ in context])
+            counts.index_put_((rows, torch.searchsorted(columns, torch.tensor(drafted))), torch.ones(len(drafted)),
+                              accumulate=True)
+        counts, columns = counts.to(device), columns.to(device)
+        values = logits[:, columns]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[:, torch.searchsorted(columns, torch.tensor(prompt, dtype=torch.long, device=device))] = True
+            r = p.repetition_penalty
+            values = torch.where(seen, torch.where(values > 0, values / r, values * r), values)
+        logits[:, columns] = values - (p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float())
 
     def commit(self, token: int) -> bool:
         """Advances the grammar over a committed token; False when it was not legal there."""
@@ -111,12 +134,13 @@ def tree_contexts(tokens: list[int], parents: list[int]) -> list[list[int]]:
 def process_rows(logits: torch.Tensor, processors: list[LogitsProcessor | None], prompts: list[list[int]],
                  outputs: list[list[int]], contexts: list[list[list[int]]]) -> torch.Tensor:
     """Each row's processing over a batch: logits [B, T, V] (row i's first len(contexts[i])
-    positions are its own); rows without a processor are left as they are (no copy when none has one)."""
+    positions are its own), processed in place where they are fp32 (a caller that still needs
+    the raw logits passes a copy). Rows without a processor are left as they are, and a batch
+    without any costs nothing."""
     if all(p is None for p in processors):
         return logits
-    rows = []
+    out = logits.float()
     for i, processor in enumerate(processors):
-        n = len(contexts[i])
-        own = processor.process(logits[i, :n], prompts[i], outputs[i], contexts[i]) if processor is not None else None
-        rows.append(logits[i].float() if own is None else torch.cat((own, logits[i, n:].float())))
-    return torch.stack(rows)
+        if processor is not None:
+            processor.process_(out[i, :len(contexts[i])], prompts[i], outputs[i], contexts[i])
+    return out

@@ -97,8 +97,66 @@ def grammar_tokenizer(tokenizer, eos_token_ids: list[int]) -> GrammarTokenizer:
     return _grammar_tokenizers[key][1]
 
 
+def set_bits(words: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """(rows, bit numbers) of the set bits of words [n, W] (int32, bit b of word w is bit 32w + b)."""
+    nonzero = numpy.flatnonzero(words)
+    rows, columns = numpy.divmod(nonzero, words.shape[1])
+    # bools, not uint8: numpy finds nonzero bools several times faster
+    bits = numpy.unpackbits(words.reshape(-1)[nonzero].view(numpy.uint8), bitorder="little").view(numpy.bool_)
+    which = numpy.flatnonzero(bits)
+    word = which >> 5
+    return rows[word], columns[word] * 32 + (which & 31)
+
+
+@dataclass
+class TokenMasks:
+    """The legal tokens at T positions, as llguidance writes them: bit t of row j set where
+    token t is legal at position j (tokens past the tokenizer's vocabulary: illegal). A view of
+    the matcher's buffer, valid until its next call."""
+    bits: numpy.ndarray  # [T, words] int32
+    unreachable: list[int]  # positions after a token the grammar forbids: nothing masked there
+
+    def apply_(self, logits: torch.Tensor) -> None:
+        """-inf at each position's illegal tokens, in place (logits [T, width]). Only the minority
+        is indexed: where few tokens are legal (keys, punctuation, enums) the row is filled with
+        -inf and its legal logits put back; where most are (inside a string) the illegal ones
+        are set. Either way no [T, width] mask is built: a masked fill over the vocabulary costs
+        several times a fill."""
+        T, width = logits.shape
+        flat = logits.view(-1)  # the positions' logits are contiguous: one flat index each
+        words = self.bits.shape[1]
+        reachable = numpy.ones(T, dtype=numpy.bool_)
+        reachable[self.unreachable] = False
+        few = reachable & (numpy.count_nonzero(self.bits, axis=-1) * 2 <= words)
+        many = numpy.flatnonzero(reachable & ~few)
+        few = numpy.flatnonzero(few)
+        device = logits.device
+        if len(few):
+            rows, ids = set_bits(self.bits[few])
+            keep = ids < width
+            at = torch.from_numpy(few[rows[keep]] * width + ids[keep]).to(device)
+            legal = flat.index_select(0, at)
+            logits.index_fill_(0, torch.from_numpy(few).to(device), float("-inf"))
+            flat.index_copy_(0, at, legal)
+        if len(many):
+            rows, ids = set_bits(~self.bits[many])
+            keep = ids < width
+            flat.index_fill_(0, torch.from_numpy(many[rows[keep]] * width + ids[keep]).to(device), float("-inf"))
+            if width > 32 * words:
+                logits[torch.from_numpy(many).to(device), 32 * words:] = float("-inf")
+
+    def illegal(self, width: int) -> torch.Tensor:
+        """[T, width] bool, True at the illegal tokens (none at an unreachable position)."""
+        illegal = torch.zeros(len(self.bits), width)
+        self.apply_(illegal)
+        return illegal.isinf()
+
+
 class GrammarMatcher:
-    """One sequence's matcher: it has consumed exactly the sequence's committed output."""
+    """One sequence's matcher: it has consumed exactly the sequence's committed output.
+
+    llguidance writes each mask as a bitmask (a bit a token, 32 to an int32 word) into a buffer
+    the matcher keeps and reuses: no per-token Python, nothing vocabulary-wide allocated."""
 
     def __init__(self, spec: StructuredOutputs, tokenizer: GrammarTokenizer):
         self.tokenizer = tokenizer
@@ -106,6 +164,8 @@ class GrammarMatcher:
         if self.matcher.is_error():
             raise ValueError(f"structured_outputs: {self.matcher.get_error()}")
         self.vocab_size = tokenizer.llguidance().vocab_size
+        self.words = (self.vocab_size + 31) // 32  # llguidance wants a buffer of exactly this many
+        self._bitmask = numpy.zeros((1, self.words), dtype=numpy.int32)
 
     def commit(self, token: int) -> bool:
         """Advances over a committed token; False when the grammar did not allow it."""
@@ -116,19 +176,18 @@ class GrammarMatcher:
         """The grammar is complete and allows nothing more (but EOS)."""
         return self.matcher.is_stopped()
 
-    def mask_into(self, row: numpy.ndarray) -> None:
-        """Writes the legal tokens as bools into row (tokens past llguidance's vocabulary: illegal)."""
-        # one byte per token, 0 where it is illegal, read as bools in place: numpy, because a
-        # torch comparison over the vocabulary costs more than llguidance's whole mask
-        allowed = numpy.frombuffer(self.matcher.compute_logit_bias(), dtype=numpy.bool_)
-        n = min(len(allowed), len(row))
-        row[:n] = allowed[:n]
+    def _fill(self, row: numpy.ndarray) -> None:
+        """The legal tokens where the matcher stands, as bits, into row (contiguous int32 words)."""
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, self.words * 4)
 
-    def masks(self, contexts: list[list[int]], width: int) -> torch.Tensor:
-        """[T, width] bool: the legal tokens after the committed text and contexts[j] (drafted
-        tokens). A context holding a token the grammar forbids cannot be reached (verification
-        rejects that token first): its row allows everything. The matcher ends where it began."""
-        rows = numpy.zeros((len(contexts), width), dtype=numpy.bool_)
+    def masks(self, contexts: list[list[int]]) -> TokenMasks:
+        """The legal tokens after the committed text and contexts[j] (drafted tokens). A context
+        holding a token the grammar forbids cannot be reached (verification rejects that token
+        first): nothing is masked there. The matcher ends where it began."""
+        if len(self._bitmask) < len(contexts):
+            self._bitmask = numpy.zeros((len(contexts), self.words), dtype=numpy.int32)
+        bitmask = self._bitmask[:len(contexts)]
+        unreachable: list[int] = []
         consumed: list[int] = []
         for j, context in enumerate(contexts):
             shared = 0
@@ -139,27 +198,34 @@ class GrammarMatcher:
                 del consumed[shared:]
             rest = context[shared:]
             if rest and self.matcher.validate_tokens(rest) < len(rest):
-                rows[j] = True
+                unreachable.append(j)
                 continue
             if rest:
                 self.matcher.consume_tokens(rest)
                 consumed += rest
-            self.mask_into(rows[j])
+            self._fill(bitmask[j])
         if consumed:
             self.matcher.rollback(len(consumed))
-        return torch.from_numpy(rows)
+        return TokenMasks(bitmask, unreachable)
+
+    def only_legal_token(self) -> int | None:
+        """The token legal where the matcher stands when it is the only one, else None."""
+        row = self._bitmask[0]
+        self._fill(row)
+        words = numpy.flatnonzero(row)
+        if len(words) != 1:
+            return None
+        word = int(row[words[0]]) & 0xFFFFFFFF
+        return None if word & (word - 1) else int(words[0]) * 32 + word.bit_length() - 1
 
     def forced(self, limit: int, stop_ids: set[int]) -> list[int]:
         """The tokens the grammar forces next (each the only legal token where it stands, so of
         probability 1 under the constrained target), up to limit and short of a stop token."""
         run: list[int] = []
         while len(run) < limit and not self.matcher.is_stopped():
-            row = numpy.zeros(self.vocab_size, dtype=numpy.bool_)
-            self.mask_into(row)
-            allowed = row.nonzero()[0]
-            if len(allowed) != 1 or int(allowed[0]) in stop_ids:
+            token = self.only_legal_token()
+            if token is None or token in stop_ids:
                 break
-            token = int(allowed[0])
             self.matcher.consume_token(token)
             run.append(token)
         if run:

@@ -19,7 +19,12 @@ from saguaro.models.prefix_cache import PrefixCache
 
 def processed(logits: torch.Tensor, seqs: list[Sequence], contexts: list[list[list[int]]]) -> torch.Tensor:
     """The sequences' processed logits (saguaro.engine.processing) at positions after their
-    committed text and contexts[i][j]: logits [B, T, V]; the same tensor when none processes."""
+    committed text and contexts[i][j]: logits [B, T, V], processed in place unless a sequence
+    with processing wants its raw log-probabilities (then a copy is); the same tensor when
+    none processes."""
+    if any(s.processor is not None and s.params.logprobs is not None and s.params.logprobs_mode == "raw"
+           for s in seqs):
+        logits = logits.clone()
     return process_rows(logits, [s.processor for s in seqs], [s.prompt_ids for s in seqs],
                         [s.output_ids for s in seqs], contexts)
 
