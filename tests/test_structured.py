@@ -28,6 +28,7 @@ from saguaro.engine.processing import LogitsProcessor, chain_contexts
 from saguaro.engine.runner import forward_chunks
 from saguaro.engine.sampler import sample
 from saguaro.engine.sequence import Sequence
+from saguaro.engine.verify import verify
 from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, grammar_tokenizer
 from saguaro.models import hub
 from saguaro.models.kv_cache import new_cache
@@ -245,8 +246,12 @@ def test_check_catches_penalties_not_advanced_along_the_draft(target, draft, tin
     assert pvalue(target, params, outputs, tiny_tokenizer) < ALPHA
 
 
-def forced_ignoring_stop_tokens(self, limit, stop_ids):
+def forced_ignoring_stop_tokens(self, limit, stop_ids, context=()):
     """A forced-token check that does not count stop tokens as legal choices."""
+    context = list(context)
+    if self.matcher.validate_tokens(context) < len(context):
+        return []
+    self.matcher.consume_tokens(context)
     run = []
     while len(run) < limit and not self.matcher.is_stopped():
         row = numpy.zeros(self.vocab_size, dtype=numpy.bool_)
@@ -256,8 +261,8 @@ def forced_ignoring_stop_tokens(self, limit, stop_ids):
             break
         self.matcher.consume_token(allowed[0])
         run.append(allowed[0])
-    if run:
-        self.matcher.rollback(len(run))
+    if context or run:
+        self.matcher.rollback(len(context) + len(run))
     return run
 
 
@@ -267,19 +272,29 @@ def walk_committing_every_node(tokens, parents, target_probs, u):
     return path, int(sample(target_probs[len(path)][None], u[-1:])[0])
 
 
+def verify_trusting_point_masses(draft_tokens, draft_probs, target_probs, u_accept, u_bonus):
+    """Accepts every draft proposed as a point mass (a forced one, at T > 0) unchecked, unless
+    the target gives it no mass at all; the rest as verification does."""
+    certain = draft_probs.gather(-1, draft_tokens[..., None])[..., 0] == 1
+    return verify(draft_tokens, draft_probs, target_probs, torch.where(certain, 0.0, u_accept), u_bonus)
+
+
 @pytest.mark.parametrize("broken", [False, True])
-def test_jump_forward_commits_forced_tokens_exactly(target, tiny_tokenizer, monkeypatch, broken):
-    """AR rounds propose the grammar's forced tokens without a draft. Verification accepts them
-    with probability 1; here they are even committed unverified, which is exact only if each
-    truly was the one legal token. The control's check also calls "x" forced where the end of
-    the text was legal too."""
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_jump_forward_commits_forced_tokens_exactly(target, draft, tiny_tokenizer, monkeypatch, method, broken):
+    """AR rounds propose the grammar's forced tokens without a draft, SD's drafts take them
+    without a draft step (as point masses). Verification accepts them with probability 1; here
+    they are even committed unverified, which is exact only if each truly was the one legal
+    token after the text and the drafts before it. The control's check also calls "x" forced
+    where the end of the text was legal too."""
     monkeypatch.setattr(verification, "walk", walk_committing_every_node)
+    monkeypatch.setattr(verification, "verify", verify_trusting_point_masses)
     if broken:
         monkeypatch.setattr(structured.GrammarMatcher, "forced", forced_ignoring_stop_tokens)
     params = params_of(0.8, ROWS, pattern=ENDING, logit_bias={EOS: -1.5})
-    decoder = ar_decoder(target)
+    decoder = ar_decoder(target) if method == "ar" else sd_decoder(target, draft, TINY_K)
     outputs = decode(decoder, params, tiny_tokenizer)
-    assert decoder.counters.num_draft_tokens > ROWS // 20  # "b" after "a"
+    assert decoder.counters.num_forced_tokens > ROWS // 20  # "b" after "a"
     assert (pvalue(target, params, outputs, tiny_tokenizer) < ALPHA) == broken
 
 

@@ -101,6 +101,7 @@ class SpecDecodeCounters:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # ... at draft position (tree depth) 1, 2, ...
     num_cache_lookups: int = 0  # SSD sequence rounds whose outcome the worker could have cached
     num_cache_hits: int = 0  # ... and did
+    num_forced_tokens: int = 0  # accepted tokens the grammar forced, proposed without a draft step (jump-forward)
 
     def observe(self, record: RoundRecord) -> None:
         """Counts a round, and adds it to each of its requests' own figures."""
@@ -119,6 +120,8 @@ class SpecDecodeCounters:
         self.num_draft_tokens += (k * len(record.seqs) if proposal.parents is None
                                   else sum(len(p) for p in proposal.parents))
         self.num_accepted_tokens += sum(o.accepted_len for o in record.outcomes)
+        for positions, outcome in zip(proposal.forced or (), record.outcomes):  # a chain's, or a tree's one branch
+            self.num_forced_tokens += sum(p < outcome.accepted_len for p in positions)
         for seq, hit in zip(record.seqs, proposal.hits or ()):
             if hit is not None:  # None: the request's first SSD round, which nothing could hit
                 seq.stats.cache_hits.append(hit)
@@ -131,7 +134,8 @@ class SpecDecodeCounters:
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
                 "spec_decode_num_cache_lookups": self.num_cache_lookups,
-                "spec_decode_num_cache_hits": self.num_cache_hits}
+                "spec_decode_num_cache_hits": self.num_cache_hits,
+                "spec_decode_num_forced_tokens": self.num_forced_tokens}
 
 
 class Policy(Protocol):
@@ -199,7 +203,7 @@ def forced_proposal(seqs: list[Sequence]) -> Proposal | None:
         return None
     width = max(len(r) for r in runs)
     return Proposal(torch.tensor([r + [0] * (width - len(r)) for r in runs]), None,
-                    parents=[list(range(-1, len(r) - 1)) for r in runs])
+                    parents=[list(range(-1, len(r) - 1)) for r in runs], forced=[list(range(len(r))) for r in runs])
 
 
 class Decoder:

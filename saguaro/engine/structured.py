@@ -149,9 +149,16 @@ class GrammarMatcher:
             self.matcher.rollback(len(consumed))
         return torch.from_numpy(rows)
 
-    def forced(self, limit: int, stop_ids: set[int]) -> list[int]:
-        """The tokens the grammar forces next (each the only legal token where it stands, so of
-        probability 1 under the constrained target), up to limit and short of a stop token."""
+    def forced(self, limit: int, stop_ids: set[int], context: list[int] = ()) -> list[int]:
+        """The tokens the grammar forces next after the committed text and context (drafted
+        tokens), each the only legal token where it stands, so of probability 1 under the
+        constrained target; up to limit and short of a stop token. Nothing after a context the
+        grammar forbids (verification rejects it first). The matcher ends where it began."""
+        context = list(context)
+        if context and self.matcher.validate_tokens(context) < len(context):
+            return []
+        if context:
+            self.matcher.consume_tokens(context)
         run: list[int] = []
         while len(run) < limit and not self.matcher.is_stopped():
             row = numpy.zeros(self.vocab_size, dtype=numpy.bool_)
@@ -162,6 +169,6 @@ class GrammarMatcher:
             token = int(allowed[0])
             self.matcher.consume_token(token)
             run.append(token)
-        if run:
-            self.matcher.rollback(len(run))
+        if run or context:
+            self.matcher.rollback(len(context) + len(run))
         return run

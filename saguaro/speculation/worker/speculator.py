@@ -197,12 +197,12 @@ class Speculator:
             seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
         missed = [i for i, hit in enumerate(hits) if not hit and i not in looked]
         if missed and backup == Backup.NEURAL:
-            tokens, q, hidden = self.drafter.draft([seqs[i] for i in missed])
-            self.drafted_tokens += tokens.numel()
+            drafts = self.drafter.draft([seqs[i] for i in missed])
+            self.drafted_tokens += drafts.tokens.numel()
             for j, i in enumerate(missed):
-                seqs[i].spec = tokens[j].tolist()
-                seqs[i].spec_features = hidden[j]
-                probs[i] = None if q is None or seqs[i].params.greedy else q[j].clone()
+                seqs[i].spec = drafts.tokens[j].tolist()
+                seqs[i].spec_features = None if drafts.hidden is None else drafts.hidden[j]
+                probs[i] = None if drafts.probs is None or seqs[i].params.greedy else drafts.probs[j].clone()
         elif missed:
             guesses = self.fast_backup.propose([seqs[i] for i in missed]).tokens.tolist()
             for i, guess in zip(missed, guesses):
