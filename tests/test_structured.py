@@ -34,6 +34,7 @@ from saguaro.models import hub
 from saguaro.models.kv_cache import new_cache
 from saguaro.models.tokenizer import FolderTokenizer
 from saguaro.speculation.build import ar_decoder
+from saguaro.speculation.protocol import DraftProcessing, unsent_tokenizers
 from stats import ks_pvalue, randomized_pit
 from test_exactness import ALPHA, PROMPT, TINY_K, TINY_V, tiny_model
 from test_trees import SHAPE, TREE, peaked_model, switching_decoder
@@ -185,6 +186,17 @@ def test_masks_follow_the_draft_and_leave_the_matcher_where_it_was(tiny_tokenize
     assert legal[4] == set(range(TINY_V))  # after an illegal draft: unreachable, left unmasked
     assert matcher.forced(5, {EOS}) == [3]  # still at the start
     assert matcher.commit(3) and matcher.forced(5, {EOS}) == []
+
+
+def test_the_ssd_worker_is_sent_a_grammar_tokenizer_once_per_connection(tiny_tokenizer):
+    tokenizer = grammar_tokenizer(tiny_tokenizer, [EOS])
+    entry = DraftProcessing(3, [EOS], tokenizer.key, tokenizer)
+    sent: set[str] = set()
+    first = unsent_tokenizers([entry, None, entry], sent)
+    assert first[0].grammar_tokenizer is tokenizer and first[1] is None and first[2].grammar_tokenizer is None
+    later = unsent_tokenizers([entry], sent)
+    assert later[0].grammar_tokenizer is None and later[0].grammar_key == tokenizer.key
+    assert unsent_tokenizers([entry], set())[0].grammar_tokenizer is tokenizer  # a new connection: sent again
 
 
 def test_penalties_along_a_draft_equal_penalties_after_committing_it(tiny_tokenizer):

@@ -6,6 +6,8 @@ tokens and back (`GrammarMatcher.masks`), so it always ends where the committed 
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -72,6 +74,11 @@ class GrammarTokenizer:
     text: str
     eos_token_ids: list[int]
     built: llguidance.LLTokenizer | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def key(self) -> str:
+        """What names it to an SSD worker that was sent it once (its text is megabytes)."""
+        return hashlib.sha256(json.dumps(self.eos_token_ids).encode() + self.text.encode()).hexdigest()
 
     def llguidance(self) -> llguidance.LLTokenizer:
         if self.built is None:

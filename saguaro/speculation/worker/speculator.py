@@ -87,7 +87,8 @@ class Speculator:
         # already shaped the committed text, so reusing them would bias its proposals.
         self.incarnation = incarnation
         self.seqs: dict[int, DraftSequence] = {}
-        self.grammar_tokenizers: dict[str, GrammarTokenizer] = {}  # by text: llguidance's is built once
+        # by key (sent once per connection): llguidance's tokenizer is built once
+        self.grammar_tokenizers: dict[str, GrammarTokenizer] = {}
         self.max_len = 0
         self.set_fan_out(fan_out)
 
@@ -133,10 +134,10 @@ class Speculator:
     def _processor(self, params: SamplingParams, processing: DraftProcessing, output: list[int]) -> LogitsProcessor:
         """The request's processing, its grammar past the output the target committed."""
         grammar = None
-        if params.structured_outputs is not None and processing.grammar_tokenizer is not None:
-            sent = processing.grammar_tokenizer
-            tokenizer = self.grammar_tokenizers.setdefault(sent.text, sent)
-            grammar = GrammarMatcher(params.structured_outputs, tokenizer)
+        if processing.grammar_tokenizer is not None:
+            self.grammar_tokenizers.setdefault(processing.grammar_key, processing.grammar_tokenizer)
+        if params.structured_outputs is not None and processing.grammar_key is not None:
+            grammar = GrammarMatcher(params.structured_outputs, self.grammar_tokenizers[processing.grammar_key])
             for token in output:
                 grammar.commit(token)
         return LogitsProcessor(params, set(processing.stop_ids), grammar)
