@@ -1,7 +1,8 @@
 """Structured outputs' cost and gain: decode tokens/s of the same requests under a JSON schema
 and unconstrained, per method and batch size, the grammar's mask time as a share of the
 decoding time, and the share of output tokens the grammar forced (the only legal token where
-it stood: what jump-forward commits without a draft). Constrained and unconstrained runs take
+it stood: what jump-forward may commit without a draft step) and the share it did commit so
+("jumped": spec_decode_num_forced_tokens). Constrained and unconstrained runs take
 turns request group by request group (the machine's speed drifts). Every constrained output is
 checked against its schema (jsonschema).
 
@@ -95,7 +96,7 @@ def main() -> None:
         llm = LLM(**METHODS[method])
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             rates = {"json_schema": [], "unconstrained": []}
-            mask_share, forced, tokens, valid, total = [], 0, 0, 0, 0
+            mask_share, forced, jumped, tokens, valid, total = [], 0, 0, 0, 0, 0
             for group in range(args.groups + 1):  # the first group warms up, uncounted
                 picked = [SCHEMAS[(group * batch + i) % len(SCHEMAS)] for i in range(batch)]
                 prompts = [[{"role": "user", "content": f"Reply with JSON describing {what}."}] for what, _ in picked]
@@ -104,6 +105,7 @@ def main() -> None:
                                              structured_outputs=StructuredOutputs(json=schema)
                                              if mode == "json_schema" else None) for _, schema in picked]
                     clock.seconds = 0.0
+                    jumped_before = llm.metrics().get("spec_decode_num_forced_tokens", 0)
                     started = time.perf_counter()
                     outputs = llm.generate(prompts, params, use_tqdm=False)
                     seconds = time.perf_counter() - started
@@ -113,6 +115,7 @@ def main() -> None:
                     rates[mode].append(sum(len(o.token_ids) - 1 for o in outputs) / decode_s)
                     if mode == "json_schema":
                         mask_share.append(clock.seconds / seconds)
+                        jumped += llm.metrics().get("spec_decode_num_forced_tokens", 0) - jumped_before
                         for (_, schema), out in zip(picked, outputs):
                             f, n = forced_share(llm, schema, out.token_ids)
                             forced, tokens = forced + f, tokens + n
@@ -127,6 +130,7 @@ def main() -> None:
                    "json_schema_tok_s": statistics.median(rates["json_schema"]),
                    "unconstrained_tok_s": statistics.median(rates["unconstrained"]),
                    "mask_share": statistics.median(mask_share), "forced_share": forced / max(tokens, 1),
+                   "jumped_share": jumped / max(tokens, 1),
                    "valid": f"{valid}/{total}"}
             row["ratio"] = row["json_schema_tok_s"] / row["unconstrained_tok_s"]
             rows.append(row)
@@ -134,10 +138,10 @@ def main() -> None:
         llm.close()
     print(f"\nT = {args.temperature}, max_tokens {args.max_tokens}, {args.groups} groups per cell")
     print(f"{'method':8s} {'batch':>5s} {'schema tok/s':>12s} {'free tok/s':>10s} {'ratio':>6s} {'mask':>6s} "
-          f"{'forced':>7s} {'valid':>7s}")
+          f"{'forced':>7s} {'jumped':>7s} {'valid':>7s}")
     for r in rows:
         print(f"{r['method']:8s} {r['batch']:5d} {r['json_schema_tok_s']:12.1f} {r['unconstrained_tok_s']:10.1f} "
-              f"{r['ratio']:6.2f} {r['mask_share']:6.1%} {r['forced_share']:7.1%} {r['valid']:>7s}")
+              f"{r['ratio']:6.2f} {r['mask_share']:6.1%} {r['forced_share']:7.1%} {r['jumped_share']:7.1%} {r['valid']:>7s}")
 
 
 if __name__ == "__main__":
