@@ -8,7 +8,8 @@ here, one position at a time from the committed text alone (its own llguidance m
 penalty counts), by the pooled PIT test of tests/stats.py. Each has a broken control that
 must fail: the verifier comparing against the unprocessed target, penalties not advanced along
 the draft, a forced token committed where a stop token was legal too. Greedy SD, SSD, trees and
-auto commit AR's tokens on real prompts under a JSON schema, a regex, penalties and a bias.
+auto commit AR's tokens on real prompts under a JSON schema, a tool_choice "required" schema, a
+regex, penalties and a bias.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, grammar
 from saguaro.models import hub
 from saguaro.models.kv_cache import new_cache
 from saguaro.models.tokenizer import FolderTokenizer
+from saguaro.server.tools import required_calls_schema
 from saguaro.speculation.build import ar_decoder
 from saguaro.speculation.protocol import DraftProcessing, unsent_tokenizers
 from stats import ks_pvalue, randomized_pit
@@ -316,8 +318,16 @@ SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
     "role": {"enum": ["admin", "editor", "viewer"]}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
     "required": ["name", "age", "role", "tags"], "additionalProperties": False}
+FUNCTIONS = [
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}},
+    {"name": "search_web", "parameters": {"type": "object", "properties": {
+        "query": {"type": "string"}, "max_results": {"type": "integer", "minimum": 1, "maximum": 10}},
+        "required": ["query"]}},
+]
 REAL_CASES = {
     "json_schema": dict(structured_outputs=StructuredOutputs(json=SCHEMA)),
+    "tool_choice_required": dict(structured_outputs=StructuredOutputs(json=required_calls_schema(FUNCTIONS, False))),
     "regex": dict(structured_outputs=StructuredOutputs(regex=r"(Yes|No), because [a-z ,]{10,60}\.")),
     "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={330: 5.0}),
 }
