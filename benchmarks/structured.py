@@ -5,8 +5,8 @@ median request's decode tokens/s (a batch whose constrained requests end early r
 its time below full width, which lowers the batch's rate but not each request's), the share of the
 constrained decode time spent on the grammar (computing and applying masks, finding forced
 tokens: in this process, so not the SSD worker's, which it hides), and the share of output
-tokens the grammar forced (the only legal token where it stood: what jump-forward commits
-without a draft). Every constrained output that ends is checked against its schema
+tokens the grammar forced (the only legal token where it stood: what jump-forward may commit
+without a draft step) and the share it did commit so ("jumped": spec_decode_num_forced_tokens). Every constrained output that ends is checked against its schema
 (jsonschema). The peer: llama.cpp (llama-cpp-python) on the same GGUF file, prompts and
 schemas, greedy, its own grammar from each schema (`LlamaGrammar.from_json_schema`), one
 request at a time (batch 1 only); skipped with a note when llama_cpp is not installed.
@@ -105,7 +105,7 @@ def requests(group: int, batch: int) -> list[tuple[list[dict], dict]]:
 def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: GrammarClock) -> dict:
     rates: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
     per_request: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
-    grammar_share, forced, tokens, valid, ended = [], 0, 0, 0, 0
+    grammar_share, forced, jumped, tokens, valid, ended = [], 0, 0, 0, 0, 0
     for group in range(args.groups + 1):  # the first group warms up, uncounted
         picked = requests(group, batch)
         for mode in ("json_schema", "unconstrained"):
@@ -113,6 +113,7 @@ def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: 
                                      structured_outputs=StructuredOutputs(json=schema) if mode == "json_schema"
                                      else None) for _, schema in picked]
             clock.seconds = 0.0
+            jumped_before = llm.metrics().get("spec_decode_num_forced_tokens", 0)
             started = time.perf_counter()
             outputs = llm.generate([prompt for prompt, _ in picked], params, use_tqdm=False)
             decode_s = time.perf_counter() - started - max(o.metrics.ttft_s for o in outputs)
@@ -122,14 +123,15 @@ def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: 
             per_request[mode] += [o.metrics.decode_tokens_per_s for o in outputs]
             if mode == "json_schema":
                 grammar_share.append(clock.seconds / decode_s)
+                jumped += llm.metrics().get("spec_decode_num_forced_tokens", 0) - jumped_before
                 for (_, schema), out in zip(picked, outputs):
                     f, n = forced_share(llm, schema, out.token_ids)
                     forced, tokens = forced + f, tokens + n
                     if out.finish_reason == "stop":
                         ended += 1
                         valid += validates(out.text, schema)
-    return row(method, batch, rates, per_request, statistics.median(grammar_share), forced / max(tokens, 1), valid,
-               ended)
+    return row(method, batch, rates, per_request, statistics.median(grammar_share), forced / max(tokens, 1),
+               jumped / max(tokens, 1), valid, ended)
 
 
 def measure_llamacpp(llm: LLM, args: argparse.Namespace) -> dict | None:
@@ -157,17 +159,17 @@ def measure_llamacpp(llm: LLM, args: argparse.Namespace) -> dict | None:
             if mode == "json_schema" and output[-1] == llama.token_eos():
                 ended += 1
                 valid += validates(llama.detokenize(output[:-1]).decode(errors="replace"), schema)
-    return row("llama.cpp", 1, rates, rates, None, None, valid, ended)
+    return row("llama.cpp", 1, rates, rates, None, None, None, valid, ended)
 
 
 def row(method: str, batch: int, rates: dict[str, list[float]], per_request: dict[str, list[float]],
-        grammar_share: float | None, forced: float | None, valid: int, ended: int) -> dict:
+        grammar_share: float | None, forced: float | None, jumped: float | None, valid: int, ended: int) -> dict:
     constrained, free = statistics.median(rates["json_schema"]), statistics.median(rates["unconstrained"])
     return {"method": method, "batch": batch, "json_schema_tok_s": constrained, "unconstrained_tok_s": free,
             "ratio": constrained / free,
             "request_ratio": (statistics.median(per_request["json_schema"])
                               / statistics.median(per_request["unconstrained"])),
-            "grammar_share": grammar_share, "forced_share": forced, "valid": f"{valid}/{ended}"}
+            "grammar_share": grammar_share, "forced_share": forced, "jumped_share": jumped, "valid": f"{valid}/{ended}"}
 
 
 def main() -> None:
@@ -193,15 +195,16 @@ def main() -> None:
         llm.close()
     print(f"\nT = {args.temperature}, max_tokens {args.max_tokens}, medians over {args.groups} request groups a "
           f"cell; ratio: schema / free tok/s of the batch, per req: of the median request; grammar: share of the "
-          f"constrained decode time; forced: share of its output tokens; valid: "
+          f"constrained decode time; forced: share of its output tokens; jumped: share committed without a draft step; valid: "
           f"outputs that validate / outputs that ended (not cut at max_tokens)")
     print(f"{'method':9s} {'batch':>5s} {'schema tok/s':>12s} {'free tok/s':>10s} {'ratio':>6s} {'per req':>7s} "
-          f"{'grammar':>8s} {'forced':>7s} {'valid':>7s}")
+          f"{'grammar':>8s} {'forced':>7s} {'jumped':>7s} {'valid':>7s}")
     for r in rows:
         share = "-" if r["grammar_share"] is None else f"{r['grammar_share']:.1%}"
         forced = "-" if r["forced_share"] is None else f"{r['forced_share']:.1%}"
+        jumped = "-" if r["jumped_share"] is None else f"{r['jumped_share']:.1%}"
         print(f"{r['method']:9s} {r['batch']:5d} {r['json_schema_tok_s']:12.1f} {r['unconstrained_tok_s']:10.1f} "
-              f"{r['ratio']:6.2f} {r['request_ratio']:7.2f} {share:>8s} {forced:>7s} {r['valid']:>7s}")
+              f"{r['ratio']:6.2f} {r['request_ratio']:7.2f} {share:>8s} {forced:>7s} {jumped:>7s} {r['valid']:>7s}")
 
 
 if __name__ == "__main__":

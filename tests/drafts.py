@@ -11,7 +11,7 @@ from saguaro.speculation import build
 from saguaro.speculation.local.drafters import Drafter
 from saguaro.speculation.policy.auto import AutoPolicy
 from saguaro.speculation.policy.planning import GeometricPlan
-from saguaro.speculation.protocol import DraftSpec, Hello, Prefill, Release, Speculation, SpecRequest
+from saguaro.speculation.protocol import DraftSpec, Hello, Prefill, Release, Speculation, SpecRequest, unsent_tokenizers
 from saguaro.speculation.remote.client import DraftClient, WorkerConfig
 from saguaro.speculation.remote.pool import DraftPool
 from saguaro.speculation.remote.proposer import RemoteProposer
@@ -55,9 +55,11 @@ class InProcessDraft:
         self.server = DraftServer(Hello(config.draft, embeddings, incarnation), config.draft.speculative.draft_device)
         self.ready = self.server.ready
         self.alive = True
+        self.sent_tokenizers: set[str] = set()  # as DraftClient: a grammar's tokenizer goes once
 
     def prefill(self, seq_ids, token_ids, params, max_len, num_rows, features=None, processing=None) -> None:
-        self.server.handle(Prefill(seq_ids, token_ids, params, max_len, num_rows, features, processing))
+        self.server.handle(Prefill(seq_ids, token_ids, params, max_len, num_rows, features,
+                                   unsent_tokenizers(processing, self.sent_tokenizers)))
 
     def ask(self, request: SpecRequest) -> Speculation:
         reply = self.server.handle(request)

@@ -8,7 +8,8 @@ here, one position at a time from the committed text alone (its own llguidance m
 penalty counts), by the pooled PIT test of tests/stats.py. Each has a broken control that
 must fail: the verifier comparing against the unprocessed target, penalties not advanced along
 the draft, a forced token committed where a stop token was legal too. Greedy SD, SSD, trees and
-auto commit AR's tokens on real prompts under a JSON schema, a regex, penalties and a bias.
+auto commit AR's tokens on real prompts under a JSON schema, a tool_choice "required" schema, a
+regex, penalties and a bias.
 """
 from __future__ import annotations
 
@@ -28,11 +29,14 @@ from saguaro.engine.processing import LogitsProcessor, chain_contexts
 from saguaro.engine.runner import forward_chunks
 from saguaro.engine.sampler import sample
 from saguaro.engine.sequence import Sequence
+from saguaro.engine.verify import verify
 from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, TokenMasks, grammar_tokenizer
 from saguaro.models import hub
 from saguaro.models.kv_cache import new_cache
 from saguaro.models.tokenizer import FolderTokenizer
+from saguaro.server.tools import required_calls_schema
 from saguaro.speculation.build import ar_decoder
+from saguaro.speculation.protocol import DraftProcessing, unsent_tokenizers
 from stats import ks_pvalue, randomized_pit
 from test_exactness import ALPHA, PROMPT, TINY_K, TINY_V, tiny_model
 from test_trees import SHAPE, TREE, peaked_model, switching_decoder
@@ -204,6 +208,17 @@ def test_token_masks_set_minus_infinity_exactly_at_the_illegal_tokens(width):
     assert torch.equal(masked, expected)
 
 
+def test_the_ssd_worker_is_sent_a_grammar_tokenizer_once_per_connection(tiny_tokenizer):
+    tokenizer = grammar_tokenizer(tiny_tokenizer, [EOS])
+    entry = DraftProcessing(3, [EOS], tokenizer.key, tokenizer)
+    sent: set[str] = set()
+    first = unsent_tokenizers([entry, None, entry], sent)
+    assert first[0].grammar_tokenizer is tokenizer and first[1] is None and first[2].grammar_tokenizer is None
+    later = unsent_tokenizers([entry], sent)
+    assert later[0].grammar_tokenizer is None and later[0].grammar_key == tokenizer.key
+    assert unsent_tokenizers([entry], set())[0].grammar_tokenizer is tokenizer  # a new connection: sent again
+
+
 def test_penalties_along_a_draft_equal_penalties_after_committing_it(tiny_tokenizer):
     params = SamplingParams(temperature=1.0, **PENALTIES)
     processor = LogitsProcessor.of(params, {EOS})
@@ -263,8 +278,12 @@ def test_check_catches_penalties_not_advanced_along_the_draft(target, draft, tin
     assert pvalue(target, params, outputs, tiny_tokenizer) < ALPHA
 
 
-def forced_ignoring_stop_tokens(self, limit, stop_ids):
+def forced_ignoring_stop_tokens(self, limit, stop_ids, context=()):
     """A forced-token check that does not count stop tokens as legal choices."""
+    context = list(context)
+    if self.matcher.validate_tokens(context) < len(context):
+        return []
+    self.matcher.consume_tokens(context)
     run = []
     while len(run) < limit and not self.matcher.is_stopped():
         legal = ~self.masks([[]]).illegal(self.vocab_size)[0]
@@ -273,8 +292,8 @@ def forced_ignoring_stop_tokens(self, limit, stop_ids):
             break
         self.matcher.consume_token(allowed[0])
         run.append(allowed[0])
-    if run:
-        self.matcher.rollback(len(run))
+    if context or run:
+        self.matcher.rollback(len(context) + len(run))
     return run
 
 
@@ -284,19 +303,29 @@ def walk_committing_every_node(tokens, parents, target_probs, u):
     return path, int(sample(target_probs[len(path)][None], u[-1:])[0])
 
 
+def verify_trusting_point_masses(draft_tokens, draft_probs, target_probs, u_accept, u_bonus):
+    """Accepts every draft proposed as a point mass (a forced one, at T > 0) unchecked, unless
+    the target gives it no mass at all; the rest as verification does."""
+    certain = draft_probs.gather(-1, draft_tokens[..., None])[..., 0] == 1
+    return verify(draft_tokens, draft_probs, target_probs, torch.where(certain, 0.0, u_accept), u_bonus)
+
+
 @pytest.mark.parametrize("broken", [False, True])
-def test_jump_forward_commits_forced_tokens_exactly(target, tiny_tokenizer, monkeypatch, broken):
-    """AR rounds propose the grammar's forced tokens without a draft. Verification accepts them
-    with probability 1; here they are even committed unverified, which is exact only if each
-    truly was the one legal token. The control's check also calls "x" forced where the end of
-    the text was legal too."""
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_jump_forward_commits_forced_tokens_exactly(target, draft, tiny_tokenizer, monkeypatch, method, broken):
+    """AR rounds propose the grammar's forced tokens without a draft, SD's drafts take them
+    without a draft step (as point masses). Verification accepts them with probability 1; here
+    they are even committed unverified, which is exact only if each truly was the one legal
+    token after the text and the drafts before it. The control's check also calls "x" forced
+    where the end of the text was legal too."""
     monkeypatch.setattr(verification, "walk", walk_committing_every_node)
+    monkeypatch.setattr(verification, "verify", verify_trusting_point_masses)
     if broken:
         monkeypatch.setattr(structured.GrammarMatcher, "forced", forced_ignoring_stop_tokens)
     params = params_of(0.8, ROWS, pattern=ENDING, logit_bias={EOS: -1.5})
-    decoder = ar_decoder(target)
+    decoder = ar_decoder(target) if method == "ar" else sd_decoder(target, draft, TINY_K)
     outputs = decode(decoder, params, tiny_tokenizer)
-    assert decoder.counters.num_draft_tokens > ROWS // 20  # "b" after "a"
+    assert decoder.counters.num_forced_tokens > ROWS // 20  # "b" after "a"
     assert (pvalue(target, params, outputs, tiny_tokenizer) < ALPHA) == broken
 
 
@@ -306,8 +335,16 @@ SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
     "role": {"enum": ["admin", "editor", "viewer"]}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
     "required": ["name", "age", "role", "tags"], "additionalProperties": False}
+FUNCTIONS = [
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}},
+    {"name": "search_web", "parameters": {"type": "object", "properties": {
+        "query": {"type": "string"}, "max_results": {"type": "integer", "minimum": 1, "maximum": 10}},
+        "required": ["query"]}},
+]
 REAL_CASES = {
     "json_schema": dict(structured_outputs=StructuredOutputs(json=SCHEMA)),
+    "tool_choice_required": dict(structured_outputs=StructuredOutputs(json=required_calls_schema(FUNCTIONS, False))),
     "regex": dict(structured_outputs=StructuredOutputs(regex=r"(Yes|No), because [a-z ,]{10,60}\.")),
     "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={330: 5.0}),
 }

@@ -112,9 +112,10 @@ class LogitsProcessor:
     def grammar_finished(self) -> bool:
         return self.grammar is not None and self.grammar.finished
 
-    def forced(self, limit: int) -> list[int]:
-        """The tokens the grammar forces next (see GrammarMatcher.forced); none without one."""
-        return [] if self.grammar is None else self.grammar.forced(limit, set(self.stop_ids))
+    def forced(self, limit: int, context: list[int] = ()) -> list[int]:
+        """The tokens the grammar forces next after the committed text and context (drafted
+        tokens; see GrammarMatcher.forced); none without a grammar."""
+        return [] if self.grammar is None else self.grammar.forced(limit, set(self.stop_ids), context)
 
 
 def chain_contexts(drafts: list[int]) -> list[list[int]]:

@@ -26,3 +26,6 @@ class Proposal:
     hits: list[bool | None] | None = None  # SSD: whether each speculation was cached (None: a first round)
     start_s: float = 0.0  # time the proposer spent first on sequences it had not seen (their prompts)
     parents: list[list[int]] | None = None  # token trees (saguaro.engine.tree): each node's parent; None: chains
+    # each sequence's draft positions (a chain's) whose token the grammar forced, proposed
+    # without a draft step (jump-forward); None: none
+    forced: list[list[int]] | None = None

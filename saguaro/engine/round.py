@@ -154,6 +154,7 @@ class SpecDecodeCounters:
     num_draft_tokens: int = 0  # tokens proposed (a tree's: its nodes, all scored by the target)
     num_accepted_tokens: int = 0  # proposed tokens the target accepted
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # ... at draft position (tree depth) 1, 2, ...
+    num_forced_tokens: int = 0  # accepted tokens the grammar forced, proposed without a draft step (jump-forward)
 
     def observe(self, record: RoundRecord) -> None:
         """Counts a round, and adds it to each of its requests' own figures."""
@@ -172,12 +173,15 @@ class SpecDecodeCounters:
         self.num_draft_tokens += (k * len(record.seqs) if proposal.parents is None
                                   else sum(len(p) for p in proposal.parents))
         self.num_accepted_tokens += sum(row.accepted_len for row in record.rows)
+        for positions, row in zip(proposal.forced or (), record.rows):  # a chain's, or a tree's one branch
+            self.num_forced_tokens += sum(p < row.accepted_len for p in positions)
 
     def summary(self) -> dict:
         return {"spec_decode_num_rounds": self.num_rounds, "spec_decode_num_drafts": self.num_drafts,
                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}
+                "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+                "spec_decode_num_forced_tokens": self.num_forced_tokens}
 
 
 class Policy(Protocol):
@@ -245,7 +249,7 @@ def forced_proposal(seqs: list[Sequence]) -> Proposal | None:
         return None
     width = max(len(r) for r in runs)
     return Proposal(torch.tensor([r + [0] * (width - len(r)) for r in runs]), None,
-                    parents=[list(range(-1, len(r) - 1)) for r in runs])
+                    parents=[list(range(-1, len(r) - 1)) for r in runs], forced=[list(range(len(r))) for r in runs])
 
 
 class Decoder:

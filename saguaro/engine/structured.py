@@ -6,6 +6,8 @@ tokens and back (`GrammarMatcher.masks`), so it always ends where the committed 
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -72,6 +74,11 @@ class GrammarTokenizer:
     text: str
     eos_token_ids: list[int]
     built: llguidance.LLTokenizer | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def key(self) -> str:
+        """What names it to an SSD worker that was sent it once (its text is megabytes)."""
+        return hashlib.sha256(json.dumps(self.eos_token_ids).encode() + self.text.encode()).hexdigest()
 
     def llguidance(self) -> llguidance.LLTokenizer:
         if self.built is None:
@@ -218,9 +225,16 @@ class GrammarMatcher:
         word = int(row[words[0]]) & 0xFFFFFFFF
         return None if word & (word - 1) else int(words[0]) * 32 + word.bit_length() - 1
 
-    def forced(self, limit: int, stop_ids: set[int]) -> list[int]:
-        """The tokens the grammar forces next (each the only legal token where it stands, so of
-        probability 1 under the constrained target), up to limit and short of a stop token."""
+    def forced(self, limit: int, stop_ids: set[int], context: list[int] = ()) -> list[int]:
+        """The tokens the grammar forces next after the committed text and context (drafted
+        tokens), each the only legal token where it stands, so of probability 1 under the
+        constrained target; up to limit and short of a stop token. Nothing after a context the
+        grammar forbids (verification rejects it first). The matcher ends where it began."""
+        context = list(context)
+        if context and self.matcher.validate_tokens(context) < len(context):
+            return []
+        if context:
+            self.matcher.consume_tokens(context)
         run: list[int] = []
         while len(run) < limit and not self.matcher.is_stopped():
             token = self.only_legal_token()
@@ -228,6 +242,6 @@ class GrammarMatcher:
                 break
             self.matcher.consume_token(token)
             run.append(token)
-        if run:
-            self.matcher.rollback(len(run))
+        if run or context:
+            self.matcher.rollback(len(context) + len(run))
         return run

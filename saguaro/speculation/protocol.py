@@ -20,7 +20,7 @@ import select
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -69,10 +69,28 @@ class Hello:
 class DraftProcessing:
     """What the worker needs besides a request's SamplingParams to process its drafts' logits as
     the target does (saguaro.engine.processing): the tokens min_tokens holds back, and the
-    tokenizer its grammar is compiled for."""
+    tokenizer its grammar is compiled for, by key; its text goes with the first request of a
+    connection that needs it (`unsent_tokenizers`), and the worker keeps it."""
     prompt_len: int  # the rest of the request's tokens are output, which penalties and the grammar read
     stop_ids: list[int]
-    grammar_tokenizer: GrammarTokenizer | None = None
+    grammar_key: str | None = None  # GrammarTokenizer.key; None: no grammar
+    grammar_tokenizer: GrammarTokenizer | None = None  # the tokenizer itself, where the worker lacks it
+
+
+def unsent_tokenizers(processing: list[DraftProcessing | None] | None,
+                      sent: set[str]) -> list[DraftProcessing | None] | None:
+    """The processing as one connection sends it: each grammar tokenizer (megabytes of text)
+    only the first time; sent (the keys sent so far) is updated."""
+    if processing is None:
+        return None
+    kept = []
+    for entry in processing:
+        if entry is not None and entry.grammar_tokenizer is not None:
+            if entry.grammar_key in sent:
+                entry = replace(entry, grammar_tokenizer=None)
+            sent.add(entry.grammar_key)
+        kept.append(entry)
+    return kept
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -167,8 +168,80 @@ def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chu
     return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, torch.stack(hiddens, 1)
 
 
+@dataclass
+class Drafts:
+    """What a drafter's K tokens per sequence came with."""
+    tokens: torch.Tensor  # [B, K] vocabulary ids
+    probs: torch.Tensor | None  # [B, K, head rows]: the distributions really sampled from; None: all greedy
+    hidden: torch.Tensor | None  # [B, K, hidden]: what each token was drawn from (an EAGLE draft's own features)
+    forced: list[list[int]] | None = None  # each row's positions whose token the grammar forced (no draft step)
+    written: list[int] | None = None  # each row's slots with KV entries; None: its text and its first K - 1 drafts
+
+
+def jump_forward_draft(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]],
+                       starts: list[int], seqs: list[Drafted], k: int, u: torch.Tensor | None,
+                       reshape: Reshape | None = None) -> Drafts:
+    """autoregressive_draft under the sequences' grammars, with jump-forward: where a grammar
+    forces the next token (the only legal one: probability 1 under the processed draft and
+    target alike), it is drafted without a step of its own and fed to the draft with the next
+    sampled token, in that step's pass. A row whose K tokens are all forced runs no pass (its
+    text waits for the next round's). Rows move at their own pace: a pass runs the rows still
+    short of K, each over its pending tokens. Not for a draft that reads features (EAGLE)."""
+    B = len(chunks)
+    pending = [list(c) for c in chunks]  # tokens not yet run, from slot written[b]
+    written = list(starts)
+    drafted: list[list[int]] = [[] for _ in range(B)]
+    forced: list[list[int]] = [[] for _ in range(B)]
+    sampled: list[dict[int, torch.Tensor]] = [{} for _ in range(B)]  # position -> distribution
+
+    def force(b: int) -> None:
+        processor = seqs[b].processor
+        run = [] if processor is None else processor.forced(k - len(drafted[b]), drafted[b])
+        forced[b] += range(len(drafted[b]), len(drafted[b]) + len(run))
+        drafted[b] += run
+        pending[b] += run
+
+    for b in range(B):
+        force(b)
+    while live := [b for b in range(B) if len(drafted[b]) < k]:
+        chunk = [pending[b] for b in live]
+        hidden = last_hidden(forward_chunks(model, cache, [rows[b] for b in live], chunk,
+                                            [written[b] for b in live]), chunk)
+        for b in live:
+            written[b] += len(pending[b])
+        group = [seqs[b] for b in live]
+        logits = constrained_head_logits(model, hidden[:, None], constraint(group),
+                                         [[drafted[b]] for b in live])[:, 0]
+        params = WarpParams.of([s.params for s in group], model.device)
+        if params.all_greedy:
+            tokens = model.head_token(logits.argmax(-1)).tolist()
+        else:
+            q = warp(logits, params)
+            positions = [len(drafted[b]) for b in live]
+            if reshape is not None:  # Saguaro sampling is per draft position
+                for position in set(positions):
+                    at = torch.tensor([j for j, p in enumerate(positions) if p == position])
+                    q[at] = reshape(position, q[at], logits[at])
+            row_u = torch.stack([u[b, p] for b, p in zip(live, positions)])
+            tokens = model.head_token(sample(q, row_u)).tolist()
+            for j, (b, position) in enumerate(zip(live, positions)):
+                sampled[b][position] = q[j]
+        for b, token in zip(live, tokens):
+            drafted[b].append(token)
+            pending[b] = [token]
+            force(b)
+    probs = None
+    if any(sampled):  # a forced (or greedy) token's distribution is a point mass on it
+        width = next(q.shape[-1] for row in sampled for q in row.values())
+        head_ids = model.head_token(torch.arange(width, device=model.device))
+        probs = torch.stack([torch.stack([row[j] if j in row else (head_ids == drafted[b][j]).float()
+                                          for j in range(k)]) for b, row in enumerate(sampled)])
+    return Drafts(torch.tensor(drafted), probs, None, forced, written)
+
+
 def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]], starts: list[int],
-              temperatures: list[float], shape: TreeShape) -> tuple[list[list[int]], list[list[int]]]:
+              temperatures: list[float], shape: TreeShape, constrain: Constrain | None = None
+              ) -> tuple[list[list[int]], list[list[int]]]:
     """Feeds each row's pending chunk, then grows a token tree below its last token, as EAGLE-2
     does: a node's score is the draft's log-probability of its path from the root; at each
     depth the draft runs the `topk` best-scored nodes of the last depth (one pass, each node
@@ -176,6 +249,9 @@ def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[l
     `num_nodes` best of all are kept. A child scores no more than its parent, so a kept node's
     parent is kept. Probabilities are the draft's at each row's temperature (1 when greedy).
     No random draw is made: the tree is a function of the text (saguaro.engine.tree).
+    constrain: the rows' processing, applied at each node after its path (under a grammar, a
+    node's illegal children score -inf and are never kept, so the tree spends its nodes on
+    what the target may accept; where the grammar forces a token, a node has that one child).
     Returns each row's tokens (vocabulary ids) and parents, parents first."""
     device = model.device
     B, k = len(chunks), shape.topk
@@ -188,9 +264,11 @@ def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[l
     frontier = torch.full((B, 1), -1, device=device)  # the nodes run last (pool indices; -1: the root)
     frontier_scores = torch.zeros(B, 1, device=device)
     lines = [{-1: []} for _ in range(B)]  # pool index -> slots of its ancestors and itself
+    paths = [{-1: []} for _ in range(B)]  # pool index -> the tokens of its ancestors and itself
+    contexts = [[[]] for _ in range(B)]  # the frontier's paths
     pooled = 0
     for depth in range(shape.depth):
-        log_probs = torch.log_softmax(model.head_logits(hidden) * inverse_t, -1)
+        log_probs = torch.log_softmax(constrained_head_logits(model, hidden, constrain, contexts) * inverse_t, -1)
         best, head_rows = log_probs.topk(k, -1)  # [B, F, k]
         scored = (frontier_scores[..., None] + best).flatten(1)
         tokens.append(model.head_token(head_rows).flatten(1))
@@ -208,12 +286,18 @@ def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[l
         mask = torch.arange(span)[None, None] < torch.tensor(ends)[:, None, None]
         mask = mask.expand(B, k, span).clone()
         seen = []  # (row, node, slot) for each earlier node slot a node sees, its own included
+        node_tokens = torch.cat(tokens, 1).gather(1, frontier)
         for i, (row, row_parents) in enumerate(zip(frontier.tolist(), all_parents.tolist())):
             for j, node in enumerate(row):
                 lines[i][node] = lines[i][row_parents[node]] + [slots[i][j]]
                 seen += [(i, j, slot) for slot in lines[i][node]]
         mask[tuple(torch.tensor(seen).T)] = True
-        node_tokens = torch.cat(tokens, 1).gather(1, frontier)
+        if constrain is not None:
+            for i, (row, row_parents, row_tokens) in enumerate(zip(frontier.tolist(), all_parents.tolist(),
+                                                                   node_tokens.tolist())):
+                for node, token in zip(row, row_tokens):
+                    paths[i][node] = paths[i][row_parents[node]] + [token]
+                contexts[i] = [paths[i][node] for node in row]
         positions = torch.tensor([[e + depth] * k for e in ends]).to(device, non_blocking=True)
         hidden = model(node_tokens, positions, cache, rows=rows_t,
                        slots=torch.tensor(slots).to(device, non_blocking=True),
@@ -224,11 +308,14 @@ def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[l
 
 def pick_nodes(tokens: list[list[int]], parents: list[list[int]], scores: list[list[float]],
                num_nodes: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Each row's num_nodes best-scored nodes whose parent is kept, in their first order, parents renumbered."""
+    """Each row's num_nodes best-scored nodes whose parent is kept, in their first order, parents
+    renumbered; never a node of score -inf (a token its processing forbids)."""
     kept_tokens, kept_parents = [], []
     for row_tokens, row_parents, row_scores in zip(tokens, parents, scores):
         kept: dict[int, int] = {-1: -1}  # pool index -> index in the tree
         for node in sorted(range(len(row_tokens)), key=lambda j: (-row_scores[j], j)):
+            if row_scores[node] == float("-inf"):
+                break
             if row_parents[node] in kept:
                 kept[node] = 0
                 if len(kept) > num_nodes:
@@ -276,29 +363,38 @@ class DraftModelDrafter(Drafter):
         for seq, chunk in zip(seqs, chunks):
             self.cached_len[seq.seq_id] = len(chunk)
 
-    def draft(self, seqs: list[Drafted]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """autoregressive_draft over each sequence's uncached tokens, with its own uniforms."""
+    def draft(self, seqs: list[Drafted]) -> Drafts:
+        """autoregressive_draft over each sequence's uncached tokens, with its own uniforms;
+        jump_forward_draft where a sequence has a grammar (and the draft reads no features)."""
         starts = [self.cached_len[s.seq_id] for s in seqs]
         self.caught_up_late = max(len(s.token_ids) - start for s, start in zip(seqs, starts)) > self.k + 1
         chunks = [s.token_ids[start:] for s, start in zip(seqs, starts)]
         device = self.model.device
+        rows = self.rows[[s.seq_id for s in seqs]]
         params = WarpParams.of([s.params for s in seqs], device)
         # greedy drafts draw nothing (a greedy sequence never samples from its stream)
         u = None if params.all_greedy else uniforms([s.generator for s in seqs], self.k).to(device, non_blocking=True)
-        result = autoregressive_draft(self.model, self.kv_cache, self.rows[[s.seq_id for s in seqs]], chunks,
-                                      starts, params, self.k, u, self.reshape,
-                                      self.features_for(seqs, starts, [len(s.token_ids) for s in seqs]),
-                                      constraint(seqs))
-        for seq in seqs:
-            self.cached_len[seq.seq_id] = len(seq.token_ids) + self.kept_after_draft
-        return result
+        if not self.model.reads_features and any(s.processor is not None and s.processor.grammar is not None
+                                                 for s in seqs):
+            drafts = jump_forward_draft(self.model, self.kv_cache, rows, chunks, starts, seqs, self.k, u, self.reshape)
+        else:
+            drafts = Drafts(*autoregressive_draft(self.model, self.kv_cache, rows, chunks, starts, params, self.k, u,
+                                                  self.reshape,
+                                                  self.features_for(seqs, starts, [len(s.token_ids) for s in seqs]),
+                                                  constraint(seqs)))
+        for i, seq in enumerate(seqs):
+            kept = len(seq.token_ids) + self.kept_after_draft
+            self.cached_len[seq.seq_id] = kept if drafts.written is None else min(kept, drafts.written[i])
+        return drafts
 
     def propose(self, seqs: list[Drafted]) -> Proposal:
         if self.tree is not None:
             return self.propose_tree(seqs)
-        tokens, probs, _ = self.draft(seqs)
-        return Proposal(tokens, None if probs is None else self.model.to_vocab(probs),
-                        0 if self.caught_up_late else len(seqs))
+        drafts = self.draft(seqs)
+        # a round that jumped forward ran fewer draft steps than it proposed: its time is no step's
+        steady = not self.caught_up_late and not any(drafts.forced or ())
+        return Proposal(drafts.tokens, None if drafts.probs is None else self.model.to_vocab(drafts.probs),
+                        len(seqs) if steady else 0, forced=drafts.forced)
 
     def propose_tree(self, seqs: list[Drafted]) -> Proposal:
         """A token tree per sequence; the draft keeps the KV entries of the committed text only
@@ -307,7 +403,7 @@ class DraftModelDrafter(Drafter):
         self.caught_up_late = max(len(s.token_ids) - start for s, start in zip(seqs, starts)) > self.k + 1
         nodes, parents = grow_tree(self.model, self.kv_cache, self.rows[[s.seq_id for s in seqs]],
                                    [s.token_ids[start:] for s, start in zip(seqs, starts)], starts,
-                                   [s.params.temperature for s in seqs], self.tree)
+                                   [s.params.temperature for s in seqs], self.tree, constraint(seqs))
         for seq in seqs:
             self.cached_len[seq.seq_id] = len(seq.token_ids)
         width = max(len(n) for n in nodes)
@@ -404,7 +500,12 @@ class PromptLookupDrafter(Drafter):
         if proposal.probs is not None:
             probs = point_masses(tokens, proposal.probs.shape[-1]).to(proposal.probs.device)
             probs[drafted] = proposal.probs
-        return Proposal(tokens, probs, proposal.steady_rows, sorted(looked))
+        forced = None
+        if proposal.forced is not None:
+            forced = [[] for _ in seqs]
+            for i, positions in zip(drafted, proposal.forced):
+                forced[i] = positions
+        return Proposal(tokens, probs, proposal.steady_rows, sorted(looked), forced=forced)
 
     def beside_trees(self, looked: dict[int, list[int]], drafted: list[int], trees: Proposal) -> Proposal:
         """The looked-up speculations as chains (trees of one branch) beside the drafted trees."""

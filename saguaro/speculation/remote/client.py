@@ -20,7 +20,7 @@ import torch
 
 from saguaro.engine.sampler import SamplingParams
 from saguaro.speculation.protocol import (SECRET_ENV, Channel, DraftProcessing, DraftSpec, DraftUnavailable, Hello, Prefill, Ready,
-                                          Release, Shutdown, Speculation, SpecRequest)
+                                          Release, Shutdown, Speculation, SpecRequest, unsent_tokenizers)
 
 MEASURED_ROUNDS = 3  # replies measured before the timeout follows them
 RESTART_BACKOFF_S = (1.0, 60.0)  # first and longest wait between failed restarts
@@ -100,6 +100,7 @@ class DraftClient:
         self.fill_s: deque[float] = deque(maxlen=32)  # recent cache fills, which a Release or Prefill may wait out
         self.slow_answers = 0  # timeouts a running worker outlasted (_await_reply)
         self.unseen_tokens = 0  # prompt tokens sent since the last reply: prefill work the worker has
+        self.sent_tokenizers: set[str] = set()  # the grammar tokenizers this worker was sent (their keys)
         try:
             # A local worker that dies before it joins is noticed by polling it; one that dies
             # afterwards, by its connection closing.
@@ -130,7 +131,8 @@ class DraftClient:
     def prefill(self, seq_ids: list[int], token_ids: list[list[int]], params: list[SamplingParams],
                 max_len: int, num_rows: int, features: list[torch.Tensor] | None = None,
                 processing: list[DraftProcessing | None] | None = None) -> None:
-        self._send(Prefill(seq_ids, token_ids, params, max_len, num_rows, features, processing))
+        self._send(Prefill(seq_ids, token_ids, params, max_len, num_rows, features,
+                           unsent_tokenizers(processing, self.sent_tokenizers)))
         self.unseen_tokens += sum(len(ids) for ids in token_ids)
 
     def speculate(self, request: SpecRequest) -> Speculation:

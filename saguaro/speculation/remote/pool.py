@@ -30,9 +30,13 @@ def draft_processing(seqs: list[Sequence]) -> list[DraftProcessing | None] | Non
     """What the worker needs to process the requests' drafts (None: nothing to process)."""
     if all(s.processor is None for s in seqs):
         return None
-    return [None if s.processor is None else
-            DraftProcessing(s.prompt_len, sorted(s.stop_ids), s.processor.grammar.tokenizer if s.processor.grammar else None)
-            for s in seqs]
+    entries = []
+    for s in seqs:
+        grammar = None if s.processor is None else s.processor.grammar
+        entries.append(None if s.processor is None else
+                       DraftProcessing(s.prompt_len, sorted(s.stop_ids), grammar and grammar.tokenizer.key,
+                                       grammar and grammar.tokenizer))
+    return entries
 
 
 @dataclass

@@ -87,7 +87,8 @@ class Speculator:
         # already shaped the committed text, so reusing them would bias its proposals.
         self.incarnation = incarnation
         self.seqs: dict[int, DraftSequence] = {}
-        self.grammar_tokenizers: dict[str, GrammarTokenizer] = {}  # by text: llguidance's is built once
+        # by key (sent once per connection): llguidance's tokenizer is built once
+        self.grammar_tokenizers: dict[str, GrammarTokenizer] = {}
         self.max_len = 0
         self.set_fan_out(fan_out)
 
@@ -133,10 +134,10 @@ class Speculator:
     def _processor(self, params: SamplingParams, processing: DraftProcessing, output: list[int]) -> LogitsProcessor:
         """The request's processing, its grammar past the output the target committed."""
         grammar = None
-        if params.structured_outputs is not None and processing.grammar_tokenizer is not None:
-            sent = processing.grammar_tokenizer
-            tokenizer = self.grammar_tokenizers.setdefault(sent.text, sent)
-            grammar = GrammarMatcher(params.structured_outputs, tokenizer)
+        if processing.grammar_tokenizer is not None:
+            self.grammar_tokenizers.setdefault(processing.grammar_key, processing.grammar_tokenizer)
+        if params.structured_outputs is not None and processing.grammar_key is not None:
+            grammar = GrammarMatcher(params.structured_outputs, self.grammar_tokenizers[processing.grammar_key])
             for token in output:
                 grammar.commit(token)
         return LogitsProcessor(params, set(processing.stop_ids), grammar)
@@ -197,12 +198,12 @@ class Speculator:
             seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
         missed = [i for i, hit in enumerate(hits) if not hit and i not in looked]
         if missed and backup == Backup.NEURAL:
-            tokens, q, hidden = self.drafter.draft([seqs[i] for i in missed])
-            self.drafted_tokens += tokens.numel()
+            drafts = self.drafter.draft([seqs[i] for i in missed])
+            self.drafted_tokens += drafts.tokens.numel()
             for j, i in enumerate(missed):
-                seqs[i].spec = tokens[j].tolist()
-                seqs[i].spec_features = hidden[j]
-                probs[i] = None if q is None or seqs[i].params.greedy else q[j].clone()
+                seqs[i].spec = drafts.tokens[j].tolist()
+                seqs[i].spec_features = None if drafts.hidden is None else drafts.hidden[j]
+                probs[i] = None if drafts.probs is None or seqs[i].params.greedy else drafts.probs[j].clone()
         elif missed:
             guesses = self.fast_backup.propose([seqs[i] for i in missed]).tokens.tolist()
             for i, guess in zip(missed, guesses):
