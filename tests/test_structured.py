@@ -29,6 +29,7 @@ from saguaro.engine.processing import LogitsProcessor, chain_contexts
 from saguaro.engine.runner import forward_chunks
 from saguaro.engine.sampler import sample
 from saguaro.engine.sequence import Sequence
+from saguaro.engine.round import jump_width
 from saguaro.engine.verify import verify
 from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, TokenMasks, grammar_tokenizer
 from saguaro.models import hub
@@ -414,3 +415,12 @@ def test_prompt_logprobs_cover_every_prompt_token_after_the_first(target, tiny_t
     assert seq.prompt_logprobs[0] is None and len(seq.prompt_logprobs) == len(seq.prompt_ids)
     got = torch.tensor([e.logprob for e in seq.prompt_logprobs[1:]])
     assert torch.allclose(got, expected.gather(-1, torch.tensor(seq.prompt_ids[1:])[:, None])[:, 0], atol=1e-5)
+
+
+def test_a_batched_jump_forward_pads_few_positions():
+    """One row jumps its whole run; a batch jumps only as wide as most of its rows are forced
+    (at batch 8 on a CPU, padded jump-forward passes cost more than the tokens they commit)."""
+    assert jump_width([5]) == 5 and jump_width([0]) == 0
+    assert jump_width([3] * 8) == 3
+    assert jump_width([0] * 7 + [16]) == 0
+    assert jump_width([4] * 7 + [0]) == 4 and jump_width([4] * 6 + [0, 0]) == 0

@@ -66,6 +66,7 @@ class Choice:
 
 AR = Choice()
 JUMP_FORWARD = 16  # the most grammar-forced tokens a round commits without a draft (forced_proposal)
+JUMP_YIELD = 0.9  # the least share of a batched jump-forward pass's positions that commit (jump_width)
 WAITED = 1.25  # a round whose thread ran for less than 1 / WAITED of it waited (RoundRecord.waited)
 
 
@@ -245,11 +246,24 @@ def forced_proposal(seqs: list[Sequence]) -> Proposal | None:
     stays within the KV slots reserved for the sequence."""
     runs = [s.processor.forced(min(JUMP_FORWARD, s.params.max_tokens - len(s.output_ids)))
             if s.processor is not None else [] for s in seqs]
-    if not any(runs):
+    width = jump_width([len(r) for r in runs])
+    if width == 0:
         return None
-    width = max(len(r) for r in runs)
+    runs = [r[:width] for r in runs]
     return Proposal(torch.tensor([r + [0] * (width - len(r)) for r in runs]), None,
                     parents=[list(range(-1, len(r) - 1)) for r in runs], forced=[list(range(len(r))) for r in runs])
+
+
+def jump_width(run_lengths: list[int]) -> int:
+    """How many forced tokens a batch's jump-forward pass takes: the pass computes every row to
+    the widest run, so rows with shorter runs compute padding. The widest width whose pass commits
+    at least JUMP_YIELD of the positions it computes (a batch of one always jumps its whole run);
+    0: no jump this round."""
+    for width in range(max(run_lengths, default=0), 0, -1):
+        committed = sum(min(n, width) + 1 for n in run_lengths)
+        if committed >= JUMP_YIELD * len(run_lengths) * (width + 1):
+            return width
+    return 0
 
 
 class Decoder:
