@@ -26,9 +26,10 @@ import numpy as np
 import torch
 
 from saguaro.models.config import ModelConfig
+from saguaro.models.gguf_weights import _GGUF_LAYER_NAMES, _GGUF_TOP_NAMES
 
 # Where each tensor's rows and columns live ("hidden", "q", "kv", "ffn"; None: kept as it is),
-# by the suffix of its Hugging Face name and of its GGUF name.
+# by the suffix of its Hugging Face name.
 _AXES = {
     "embed_tokens.weight": (None, "hidden"), "lm_head.weight": (None, "hidden"),
     "q_proj.weight": ("q", "hidden"), "k_proj.weight": ("kv", "hidden"), "v_proj.weight": ("kv", "hidden"),
@@ -37,14 +38,10 @@ _AXES = {
     "input_layernorm.weight": ("norm",), "post_attention_layernorm.weight": ("norm",), "norm.weight": ("norm",),
     "q_norm.weight": (None,), "k_norm.weight": (None,),
 }
-_GGUF_AXES = {
-    "token_embd.weight": (None, "hidden"), "output.weight": (None, "hidden"),
-    "attn_q.weight": ("q", "hidden"), "attn_k.weight": ("kv", "hidden"), "attn_v.weight": ("kv", "hidden"),
-    "attn_output.weight": ("hidden", "q"), "attn_q.bias": ("q",), "attn_k.bias": ("kv",), "attn_v.bias": ("kv",),
-    "ffn_gate.weight": ("ffn", "hidden"), "ffn_up.weight": ("ffn", "hidden"), "ffn_down.weight": ("hidden", "ffn"),
-    "attn_norm.weight": ("norm",), "ffn_norm.weight": ("norm",), "output_norm.weight": ("norm",),
-    "attn_q_norm.weight": (None,), "attn_k_norm.weight": (None,), "rope_freqs.weight": (None,),
-}
+# The same by GGUF name, through the loader's name tables (rope_freqs has no Hugging Face tensor).
+_GGUF_AXES = {f"{short}.{kind}": _AXES[f"{hf.rsplit('.', 1)[-1]}.{kind}"]
+              for short, hf in {**_GGUF_LAYER_NAMES, **_GGUF_TOP_NAMES}.items() for kind in ("weight", "bias")
+              if f"{hf.rsplit('.', 1)[-1]}.{kind}" in _AXES} | {"rope_freqs.weight": (None,)}
 TWIN_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
