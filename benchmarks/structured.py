@@ -1,15 +1,23 @@
-"""Structured outputs' cost and gain, per method and batch size: decode tokens/s of the same
+"""Structured outputs' cost and gain, per method and batch size: output tokens/s of the same
 requests under a JSON schema and unconstrained (their medians over request groups, the two
 taking turns group by group, since the machine's speed drifts), their ratio, the ratio of the
-median request's decode tokens/s (a batch whose constrained requests end early runs part of
-its time below full width, which lowers the batch's rate but not each request's), the share of the
-constrained decode time spent on the grammar (computing and applying masks, finding forced
-tokens: in this process, so not the SSD worker's, which it hides), and the share of output
-tokens the grammar forced (the only legal token where it stood: what jump-forward may commit
-without a draft step) and the share it did commit so ("jumped": spec_decode_num_forced_tokens). Every constrained output that ends is checked against its schema
-(jsonschema). The peer: llama.cpp (llama-cpp-python) on the same GGUF file, prompts and
-schemas, greedy, its own grammar from each schema (`LlamaGrammar.from_json_schema`), one
-request at a time (batch 1 only); skipped with a note when llama_cpp is not installed.
+median request's decode tokens/s, the share of the constrained decode time spent on the grammar
+(computing and applying masks, finding forced tokens: in this process, so not the SSD worker's,
+which it hides), and the share of output tokens the grammar forced (the only legal token where
+it stood: what jump-forward may commit without a draft step) and the share it did commit so
+("jumped": spec_decode_num_forced_tokens). Every constrained output that ends is checked
+against its schema (jsonschema).
+
+At batch 1 a group is one request and its rate is its decode tokens/s. At batch B a group is
+QUEUE x B requests that the engine runs B at a time (max_num_seqs = B), a finished one's place
+taken by the next, as a server under steady load runs them; its rate is output tokens over the
+call's wall time. (B requests started together and run to their ends would measure how their
+lengths differ: constrained requests end when their JSON does, unconstrained ones run to
+max_tokens, and the batch runs part-empty meanwhile.)
+
+The peer: llama.cpp (llama-cpp-python) on the same GGUF file, prompts and schemas, greedy, its
+own grammar from each schema (`LlamaGrammar.from_json_schema`), one request at a time (batch 1
+only); skipped with a note when llama_cpp is not installed.
 
     python benchmarks/structured.py [--methods ar,sd,ssd,auto,trees] [--batch-sizes 1,8] \
         [--groups 3] [--max-tokens 96] [--temperature 0] [--no-llamacpp]
@@ -56,6 +64,7 @@ SCHEMAS = [
 ]
 METHODS = {"ar": dict(method="ar"), "sd": dict(method="sd"), "ssd": dict(method="ssd"), "auto": dict(method="auto"),
            "trees": dict(method="sd", num_speculative_tokens=4, tree_topk=3, num_draft_tokens=8)}
+QUEUE = 3  # a batch-B group's requests, in batches: B at a time, each finished one replaced
 
 
 class GrammarClock:
@@ -107,7 +116,7 @@ def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: 
     per_request: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
     grammar_share, forced, jumped, tokens, valid, ended = [], 0, 0, 0, 0, 0
     for group in range(args.groups + 1):  # the first group warms up, uncounted
-        picked = requests(group, batch)
+        picked = requests(group, batch if batch == 1 else QUEUE * batch)
         for mode in ("json_schema", "unconstrained"):
             params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=group,
                                      structured_outputs=StructuredOutputs(json=schema) if mode == "json_schema"
@@ -116,7 +125,7 @@ def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: 
             jumped_before = llm.metrics().get("spec_decode_num_forced_tokens", 0)
             started = time.perf_counter()
             outputs = llm.generate([prompt for prompt, _ in picked], params, use_tqdm=False)
-            decode_s = time.perf_counter() - started - max(o.metrics.ttft_s for o in outputs)
+            decode_s = time.perf_counter() - started - (outputs[0].metrics.ttft_s if batch == 1 else 0.0)
             if group == 0:
                 continue
             rates[mode].append(sum(len(o.token_ids) - 1 for o in outputs) / decode_s)
@@ -183,18 +192,20 @@ def main() -> None:
     args = parser.parse_args()
     clock = GrammarClock()
     rows = []
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for method in args.methods.split(","):
-        llm = LLM(**METHODS[method])
-        for batch in (int(b) for b in args.batch_sizes.split(",")):
+        for batch in batch_sizes:
+            llm = LLM(**METHODS[method], max_num_seqs=batch)
             rows.append(measure(llm, method, batch, args, clock))
             print(json.dumps(rows[-1]), flush=True)
-        if args.llamacpp and method == args.methods.split(",")[-1]:
-            if (peer := measure_llamacpp(llm, args)) is not None:
-                rows.append(peer)
-                print(json.dumps(peer), flush=True)
-        llm.close()
+            if args.llamacpp and (method, batch) == (args.methods.split(",")[-1], batch_sizes[-1]):
+                if (peer := measure_llamacpp(llm, args)) is not None:
+                    rows.append(peer)
+                    print(json.dumps(peer), flush=True)
+            llm.close()
     print(f"\nT = {args.temperature}, max_tokens {args.max_tokens}, medians over {args.groups} request groups a "
-          f"cell; ratio: schema / free tok/s of the batch, per req: of the median request; grammar: share of the "
+          f"cell; ratio: schema / free tok/s (batch B: B at a time from a queue of {QUEUE}B), per req: of the "
+          f"median request; grammar: share of the "
           f"constrained decode time; forced: share of its output tokens; jumped: share committed without a draft step; valid: "
           f"outputs that validate / outputs that ended (not cut at max_tokens)")
     print(f"{'method':9s} {'batch':>5s} {'schema tok/s':>12s} {'free tok/s':>10s} {'ratio':>6s} {'per req':>7s} "

@@ -14,6 +14,9 @@ regex, penalties and a bias.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import llguidance
 import numpy
@@ -34,6 +37,7 @@ from saguaro.engine.verify import verify
 from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, TokenMasks, grammar_tokenizer
 from saguaro.models import hub
 from saguaro.models.kv_cache import new_cache
+from saguaro.models.native import bindings
 from saguaro.models.tokenizer import FolderTokenizer
 from saguaro.server.tools import required_calls_schema
 from saguaro.speculation.build import ar_decoder
@@ -191,8 +195,48 @@ def test_masks_follow_the_draft_and_leave_the_matcher_where_it_was(tiny_tokenize
     assert matcher.commit(3) and matcher.forced(5, {EOS}) == []
 
 
+class MatcherKeepingStaleMasks(GrammarMatcher):
+    """Control: keeps the masks it knew across a commit without moving them past the committed
+    token, so it serves the masks of the text before it."""
+
+    def commit(self, token):
+        known = self._known
+        moved = super().commit(token)
+        self._known = {**self._known, **known}
+        return moved
+
+
+@pytest.mark.parametrize("kind", [GrammarMatcher, MatcherKeepingStaleMasks])
+def test_masks_known_from_earlier_in_the_round_equal_fresh_ones(tiny_tokenizer, kind):
+    """The matcher reuses the masks it computed since the last commit (the forced-token search,
+    the draft's, verification's) and, after a commit, those after the committed token. Along a
+    random walk, every mask it gives equals a fresh matcher's at the same text."""
+    tokenizer = grammar_tokenizer(tiny_tokenizer, [EOS])
+    matcher = kind(StructuredOutputs(regex=PATTERN), tokenizer)
+    rng = numpy.random.default_rng(0)
+    committed, differ = [], 0
+    for _ in range(12):
+        fresh = GrammarMatcher(StructuredOutputs(regex=PATTERN), tokenizer)
+        for token in committed:
+            fresh.commit(token)
+        drafts = [int(t) for t in rng.choice([1, 2, 3, 4, 5], size=3)]
+        forced = matcher.forced(4, {EOS})
+        contexts = [forced + drafts[:j] for j in range(len(drafts) + 1)]
+        for got, want in zip(matcher.masks(contexts).illegal(TINY_V), fresh.masks(contexts).illegal(TINY_V)):
+            differ += not torch.equal(got, want)
+        truly_forced = fresh.forced(4, {EOS})
+        differ += forced != truly_forced
+        legal = (~fresh.masks([truly_forced]).illegal(TINY_V)[0]).nonzero()[:, 0].tolist()
+        step = truly_forced + [int(rng.choice([t for t in legal if t != EOS]))]
+        for token in step:
+            matcher.commit(token)
+        committed += step
+    assert (differ == 0) == (kind is GrammarMatcher)
+
+
+@pytest.mark.parametrize("kernel", ["apply_", "index_"])  # saguaro's kernel (where it runs), torch's indexing
 @pytest.mark.parametrize("width", [2_000, 2_048, 2_100])  # narrower, as wide as, wider than the bitmask
-def test_token_masks_set_minus_infinity_exactly_at_the_illegal_tokens(width):
+def test_token_masks_set_minus_infinity_exactly_at_the_illegal_tokens(width, kernel):
     """Rows with few legal tokens (filled, then the legal ones put back), with most legal (the
     illegal ones set), one unreachable row (left alone), against a mask unpacked bit by bit."""
     rng = numpy.random.default_rng(0)
@@ -201,12 +245,21 @@ def test_token_masks_set_minus_infinity_exactly_at_the_illegal_tokens(width):
     bits = (legal.reshape(5, words, 32) << numpy.arange(32, dtype=numpy.uint64)).sum(-1).astype(numpy.uint32)
     logits = torch.randn(5, width, generator=torch.Generator().manual_seed(1))
     masked = logits.clone()
-    TokenMasks(bits.view(numpy.int32), unreachable=[4]).apply_(masked)
+    getattr(TokenMasks(bits.view(numpy.int32), unreachable=[4]), kernel)(masked)
     allowed = numpy.zeros((5, width), dtype=bool)
     allowed[:, :min(width, words * 32)] = legal[:, :width]
     allowed[4] = True
     expected = logits.masked_fill(~torch.from_numpy(allowed), float("-inf"))
     assert torch.equal(masked, expected)
+
+
+@pytest.mark.skipif(bindings.build() != "avx512", reason="needs saguaro's AVX-512 kernels, to run their AVX2 build beside")
+def test_the_avx2_kernel_masks_as_the_avx512_one_does():
+    """token_mask.c's AVX2 build (scalar stores) passes the same test as the AVX-512 build."""
+    env = dict(os.environ, SAGUARO_NATIVE_BUILD="avx2")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k",
+                             "minus_infinity_exactly and apply_"], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "3 passed" in result.stdout, result.stdout[-2000:]
 
 
 def test_the_ssd_worker_is_sent_a_grammar_tokenizer_once_per_connection(tiny_tokenizer):
@@ -287,7 +340,9 @@ def forced_ignoring_stop_tokens(self, limit, stop_ids, context=()):
     self.matcher.consume_tokens(context)
     run = []
     while len(run) < limit and not self.matcher.is_stopped():
-        legal = ~self.masks([[]]).illegal(self.vocab_size)[0]
+        here = numpy.empty((1, self.words), dtype=numpy.int32)
+        self._fill(here[0])
+        legal = ~structured.TokenMasks(here, []).illegal(self.vocab_size)[0]
         allowed = [t for t in legal.nonzero()[:, 0].tolist() if t not in stop_ids]
         if len(allowed) != 1:
             break

@@ -1,5 +1,5 @@
-"""saguaro's own CPU kernels (group_matmul.c, decoder_layer.c, repack.c), compiled with the system
-C compiler at first use.
+"""saguaro's own CPU kernels (group_matmul.c, decoder_layer.c, repack.c; token_mask.c for
+grammars' masks), compiled with the system C compiler at first use.
 
 A decode step streams every weight once, so its speed is the bytes it reads per token. torch's
 int4 kernel reads a GGUF's 4-bit weights with bf16 scales and zeros, and no torch kernel reads

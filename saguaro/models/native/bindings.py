@@ -15,6 +15,7 @@ import os
 import warnings
 from pathlib import Path
 
+import numpy
 import torch
 
 from saguaro.models.native.compiler import BUILDS, NativeUnavailable, library_path
@@ -63,6 +64,9 @@ class Kernels(ctypes.CDLL):
         self.saguaro_decoder_layers.restype = ctypes.c_int
         self.saguaro_chunk_groups.argtypes = [ctypes.c_int, ctypes.c_int64]
         self.saguaro_chunk_groups.restype = ctypes.c_int64
+        self.saguaro_mask_logits.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                             ctypes.c_int64, ctypes.c_void_p]
+        self.saguaro_mask_logits.restype = None
 
 
 def _supported_build() -> Kernels:
@@ -127,3 +131,12 @@ def group_matmul(bits: int, tiles: torch.Tensor, x: torch.Tensor, out_features: 
                                                torch.get_num_threads()) != 0:
         raise MemoryError("saguaro_group_matmul: out of memory")
     return out
+
+
+def mask_logits(logits: torch.Tensor, bits: numpy.ndarray, skip: numpy.ndarray) -> None:
+    """-inf in place at the tokens whose bit is clear: logits [T, width] contiguous fp32 on the CPU,
+    bits [T, words] int32 (a grammar's masks), skip [T] bool (rows left alone)."""
+    bits = numpy.ascontiguousarray(bits)
+    skip = numpy.ascontiguousarray(skip, dtype=numpy.uint8)
+    library().saguaro_mask_logits(logits.data_ptr(), logits.shape[0], logits.shape[1], bits.ctypes.data,
+                                  bits.shape[1], skip.ctypes.data)

@@ -1,5 +1,5 @@
-"""Compiles saguaro's kernels (group_matmul.c, decoder_layer.c, repack.c) with the system C
-compiler, once per source and compiler: the library is cached under saguaro's cache folder, keyed
+"""Compiles saguaro's kernels (group_matmul.c, decoder_layer.c, repack.c, token_mask.c) with the
+system C compiler, once per source and compiler: the library is cached under saguaro's cache folder, keyed
 by both, so later starts load it in milliseconds. It needs a C compiler (`$CC`, else `cc`) with
 OpenMP; each build is compiled the first time it is tried (see bindings.library)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from saguaro.models.hub import cache_dir
 
-SOURCES = ("group_matmul.c", "decoder_layer.c", "repack.c")
+SOURCES = ("group_matmul.c", "decoder_layer.c", "repack.c", "token_mask.c")
 HEADERS = ("group_matmul_avx2.h", "decoder_layer_avx2.h")
 # the builds tried in turn, the widest first: (name, compiler flags)
 BUILDS = (("avx512", ()), ("avx2", ("-DSAGUARO_AVX2",)))
