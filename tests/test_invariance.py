@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from saguaro import LLM, SamplingParams
+import saguaro.engine.runner as runner_module
 from saguaro.engine.runner import forward_chunks
 from saguaro.models import hub
 from saguaro.models.kv_cache import new_cache
@@ -146,3 +147,38 @@ def test_sd_and_ssd_greedy_equal_ar_in_half_precision(heldout, dtype):
         got = [o.token_ids for o in ssd.generate(prompts, params, use_tqdm=False)]
         assert [i for i, (g, e) in enumerate(zip(got, expected)) if g != e] == [], f"SSD at batch {count}"
         assert ssd.metrics()["cache_hit_rate"] > 0
+
+
+RAGGED_PASS = runner_module.ragged_pass
+
+
+def ragged_pass_losing_the_tree_mask(model, cache, rows, lengths, tokens, positions, slots, mask):
+    """Control: a ragged pass that rebuilds each token's mask from its slot, as a chain's, so a
+    tree's siblings see each other."""
+    return RAGGED_PASS(model, cache, rows, lengths, tokens, positions, slots,
+                       torch.arange(mask.shape[-1]) <= slots[..., None])
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_ragged_pass_computes_what_the_padded_pass_does(models, prompts, monkeypatch, broken):
+    """Chunks of different lengths (a batch's jump-forward: a forced run beside one-token chunks;
+    a tree beside them) run without padding, each token its own row, on saguaro's kernels: the
+    hidden states and the KV entries written are bit for bit the padded pass's."""
+    model = models[torch.bfloat16, "auto"]
+    assert model.native_layers is not None
+    if broken:
+        monkeypatch.setattr(runner_module, "ragged_pass", ragged_pass_losing_the_tree_mask)
+    chunks = [[t % 1000 + 5 for t in p[-6:]] for p in prompts[2:6]]
+    chunks[0], chunks[2] = chunks[0][:1], chunks[2][:2]  # 1 + 6 + 2 + 6 of 24 positions
+    parents = [list(range(-1, len(c) - 1)) for c in chunks]
+    parents[1] = [-1, 0, 0, 1, 1, 2]  # a tree: siblings must not see each other
+    results = {}
+    for ragged in (True, False):
+        monkeypatch.setattr(runner_module, "RAGGED_BELOW", 1.0 if ragged else 0.0)
+        cache = new_cache(model, 4, 512)
+        forward_chunks(model, cache, [0, 1, 2, 3], [p[:40] for p in prompts[2:6]], [0] * 4)
+        hidden = forward_chunks(model, cache, [0, 1, 2, 3], chunks, [40] * 4, parents=parents)
+        results[ragged] = ([hidden[i, :len(c)] for i, c in enumerate(chunks)],
+                           [cache.keys[:, i, :, 40:40 + len(c)] for i, c in enumerate(chunks)])
+    same = all(torch.equal(a, b) for part in (0, 1) for a, b in zip(results[True][part], results[False][part]))
+    assert same != broken

@@ -50,12 +50,37 @@ def forward_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: l
     else:
         tokens, positions, slots = torch.tensor([tokens, positions, slots]).view(3, B, T)
     mask = torch.arange(span) <= slots[..., None] if parents is None else tree_mask(parents, starts, T, span)
-    padded = None
     if model.reads_features:
         padded = torch.zeros(B, T, model.config.hidden_size, dtype=model.dtype, device=device)
         for i, f in enumerate(features):
             padded[i, :len(f)] = f
-    return run_pass(model, cache, rows, tokens, positions, slots, mask, padded)
+        return run_pass(model, cache, rows, tokens, positions, slots, mask, padded)
+    if sum(lengths) < RAGGED_BELOW * B * T and model.native_layers is not None:
+        return ragged_pass(model, cache, rows, lengths, tokens, positions, slots, mask)
+    return run_pass(model, cache, rows, tokens, positions, slots, mask)
+
+
+RAGGED_BELOW = 0.9  # a pass whose chunks' tokens fill less of its B x T positions runs them without padding
+
+
+def ragged_pass(model: LlamaModel, cache: KVCache, rows: list[int], lengths: list[int], tokens: torch.Tensor,
+                positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """run_pass over the real tokens only, each its own row of one token (the inputs [B, T] as
+    forward_chunks pads them; the hidden states come back so padded, zeros at the padding).
+    Each token keeps its cache row, slot, position and mask, and every layer writes all tokens'
+    KV entries before any attends, so a chunk's tokens still see each other; saguaro's kernels
+    compute each token alone and attend each run of one row's tokens together, so the result
+    is the padded pass's (torch's attention would gather each token's cache row alone: only on
+    the kernels). Chunks of a forced run beside one-token chunks (a batch's jump-forward)
+    compute their tokens and no padding."""
+    B, T = tokens.shape
+    real = torch.tensor([i * T + j for i, n in enumerate(lengths) for j in range(n)])
+    flat_rows = [row for row, n in zip(rows, lengths) for _ in range(n)]
+    hidden = run_pass(model, cache, flat_rows, *(t.reshape(B * T, 1, *t.shape[2:])[real]
+                                                 for t in (tokens, positions, slots, mask)))
+    padded = hidden.new_zeros(B * T, hidden.shape[-1])
+    padded[real] = hidden[:, 0]
+    return padded.view(B, T, -1)
 
 
 def run_pass(model: LlamaModel, cache: KVCache, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor,
