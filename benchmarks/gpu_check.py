@@ -7,6 +7,8 @@ cost, built on the device from the 135M file (it computes what the 135M model co
 by the shipped draft made for the 135M model, whose acceptance is therefore real.
 
 1. logits: the default model on the device, fp32 and bf16, against CPU fp32;
+   twin: the twin at full size (the 8B one on a GPU; on the CPU one of SmolLM2-1.7B's widths, built
+   by the same code) against its source in bf16: logits along real prompts, greedy tokens;
 2. greedy: AR, SD and SSD on the twin (the SSD worker on --draft-device, by default the same
    GPU as a second process; on a GPU also on the host's idle CPU cores), equal to AR on real prompts;
 3. exactness: sampled SD on the device through captured passes, the PIT test on tiny models,
@@ -21,7 +23,8 @@ by the shipped draft made for the 135M model, whose acceptance is therefore real
 Nothing is downloaded: the model comes as --model FILE, the shipped draft from the tree, the
 prompts from this file. A check that would start past --budget-s is skipped and says so. With
 --device cpu the same checks run on the CPU, shorter, captured passes emulated and a small
-twin: CI's way of keeping the path alive (tests/test_gpu_check.py).
+twin measured (the twin check's a 1.7B-size one): CI's way of keeping the path alive
+(tests/test_gpu_check.py), a shape's bug found there and not in a lent GPU's minutes.
 """
 from __future__ import annotations
 
@@ -73,7 +76,8 @@ class Plan:
     speed_tokens: int  # each timed run's (and its warm-up's)
     batch_sizes: list[int]
     pit_rows: int
-    twin: TwinShape
+    twin: TwinShape  # the target that checks 2, 4 and 5 measure
+    full_twin: TwinShape | None  # the twin check's; None: `twin` (on a GPU, already full size)
     sampled_batch_sizes: list[int]  # the speed check at T = 0.7 too
     cost_rows: list[int]
     cost_repeats: int
@@ -90,14 +94,22 @@ class Plan:
 # 2048 wide and halve the attention's projections.)
 TWIN_8B = TwinShape(hidden_size=4096, num_heads=64, num_kv_heads=16, intermediate_size=14336, num_layers=32)
 # The CPU's dry run: what 2 cores decode within CI's 3 minutes, every method at each batch size
-# and temperature: 1.34x the 135M model's layer weights (the 1.7B shape, 1920 wide, decodes at
-# ~27 tok/s on one quiet core, too slow for that). Query heads 12 of 64 (768) over a 640 residual.
+# and temperature: 1.34x the 135M model's layer weights (a 1.7B-size twin decodes at a few tokens
+# a second on one core, too slow for that). Query heads 12 of 64 (768) over a 640 residual.
 TWIN_CPU = TwinShape(hidden_size=640, num_heads=12, num_kv_heads=4, intermediate_size=1792)
+# The CPU's twin check: SmolLM2-1.7B's widths (hidden 2048, 32 query heads of 64, FFN 8192; the
+# vocabulary is the source's 49,152 as 1.7B's) over 8 kv heads, not 1.7B's 32: the source's 3
+# query heads a kv head stay together (twin.layout), and of 32 heads only 4 or 8 kv heads hold 3;
+# 32 layers as the 8B twin (the source's 30 and two zero blocks; 1.7B's 24 are fewer than the
+# source's): 2.06 G weights, 4.1 GB in bf16 (8.9 GB at the build's peak: build_model holds the
+# unfused projections while it fuses them); the check took 31 s of CPU, 15 s of it the build.
+TWIN_1_7B = TwinShape(hidden_size=2048, num_heads=32, num_kv_heads=8, intermediate_size=8192, num_layers=32)
 
 
 def plan_for(device: str) -> Plan:
     if device.startswith("cuda"):
         return Plan(prompts=8, new_tokens=64, speed_tokens=64, batch_sizes=[1, 4, 16], pit_rows=20000, twin=TWIN_8B,
+                    full_twin=None,
                     sampled_batch_sizes=[1, 4, 16], cost_rows=[1, 2, 4, 6, 8, 16, 32, 64, 96],
                     cost_repeats=10, draft_rows=[1, 4, 16, 64], context=512)
     # the dry run proves the path, not a speed: the greedy check as on a GPU but for its size (every
@@ -105,6 +117,7 @@ def plan_for(device: str) -> Plan:
     # rounds (a pass of the twin costs ~0.1 s of CPU; at 16 tokens and batch 4 the speed check took
     # 44% of the checks' CPU)
     return Plan(prompts=4, new_tokens=16, speed_tokens=8, batch_sizes=[1, 2], pit_rows=3000, twin=TWIN_CPU,
+                full_twin=TWIN_1_7B,
                 sampled_batch_sizes=[1], cost_rows=[1, 6, 12], cost_repeats=3, draft_rows=[1, 8], context=64)
 
 
@@ -157,6 +170,66 @@ def check_logits(args, plan: Plan) -> dict:
     return result
 
 
+# --- the twin ---------------------------------------------------------------------------------
+
+# How far a bf16 twin's logits may be from its bf16 source's, relative to the largest: its norms
+# (their weights scaled) and longer sums round differently (on the CPU 0.024 at 768 wide, 0.031
+# at 2048, and 0.031 at the 8B twin's 4096 with 64 heads over 16, FFN 1536), while a twin that
+# does not compute its source (norms not rescaled, a query head on another kv head) is off by
+# 0.49 to 2.4 (tests/test_gpu_check.py, tests/test_twin.py).
+TWIN_LOGIT_TOLERANCE = 0.1
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def build_twin(args, shape: TwinShape, **controls) -> LlamaModel:
+    """The twin of --model at `shape`, in bf16 on the device: every twin this script runs;
+    controls: twin.layout's (tests/test_gpu_check.py's twins that are not their source)."""
+    started = time.monotonic()
+    twin = load_twin(args.model, shape, torch.bfloat16, args.device, **controls)
+    say(f"twin of {Path(args.model).name} on {args.device}: {vars(shape)}, built in {time.monotonic() - started:.1f} s")
+    return twin
+
+
+def check_twin(args, plan: Plan, **controls) -> dict:
+    """The twin at full size decodes what its source decodes: logits along the source's greedy
+    tokens within TWIN_LOGIT_TOLERANCE of the source's in bf16 built the same way (dequantized,
+    dense), and greedy tokens through the engine that part from the source's only where its best
+    two are a near-tie (closer than twice the twin's largest logit difference there), as any
+    change of rounding may part them."""
+    from test_twin import logits_along
+
+    shape = plan.full_twin or plan.twin
+    twin = args.twin if shape == plan.twin and not controls else build_twin(args, shape, **controls)
+    prompts = (PROMPTS * plan.prompts)[:plan.prompts]
+    params = SamplingParams(temperature=0, max_tokens=plan.new_tokens, ignore_eos=True)
+    source = load_model(args.model, torch.bfloat16, args.device, "none")
+    decoded = {}
+    for name, target in (("source", source), ("twin", twin)):
+        with LLM(args.model, method="ar", device=args.device, target=target) as llm:
+            decoded[name] = llm.generate(prompts, params, use_tqdm=False)
+    errors, differences, near_ties = [], [], []
+    for expected, got in zip(decoded["source"], decoded["twin"]):
+        reference = logits_along(source, expected.prompt_token_ids, expected.token_ids)
+        difference = (logits_along(twin, expected.prompt_token_ids, expected.token_ids) - reference).abs()
+        errors.append(float(difference.max() / reference.abs().max()))
+        parted = first_difference(got.token_ids, expected.token_ids)
+        differences.append(parted)
+        if parted is not None:
+            best = reference[parted].topk(2).values
+            near_ties.append(float(best[0] - best[1]) <= 2 * float(difference[parted].max()))
+    result = {"shape": vars(shape), "hidden_size": twin.config.hidden_size, "num_layers": twin.config.num_layers,
+              "prompts": len(prompts), "tokens": plan.new_tokens, "max_relative_logit_error": max(errors),
+              "first_differences": differences, "parted_at_near_ties": near_ties,
+              "passed": max(errors) <= TWIN_LOGIT_TOLERANCE and all(near_ties)}
+    say(f"twin at {shape.hidden_size} wide, {twin.config.num_layers} layers, vs its source in bf16, {len(prompts)} prompts "
+        f"x {plan.new_tokens} tokens: logits within {max(errors):.3g} of the largest (tolerance {TWIN_LOGIT_TOLERANCE});"
+        f" greedy tokens first differ at {differences}, at near-ties: {near_ties}")
+    return result
+
+
 # --- 2. greedy --------------------------------------------------------------------------------
 
 def engine(args, method: str, draft_device: str | None = None, **options) -> LLM:
@@ -169,10 +242,6 @@ def worker_placements(args) -> dict[str, str]:
     """SSD's worker beside the target ("ssd": --draft-device) and, where the target is on a GPU,
     on the host's idle CPU cores ("ssd_host"), which a GPU server leaves idle while decoding."""
     return {"ssd": args.draft_device} | ({"ssd_host": "cpu"} if args.device.startswith("cuda") else {})
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def check_greedy(args, plan: Plan) -> dict:
@@ -490,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="(default: auto on a GPU, emulated on the CPU)")
     parser.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.json")
     parser.add_argument("--budget-s", type=float, default=None, help="(default: 450 on a GPU, 170 on the CPU)")
-    parser.add_argument("--checks", default="logits,greedy,exactness,speed,costs")
+    parser.add_argument("--checks", default="logits,twin,greedy,exactness,speed,costs")
     parser.add_argument("--twin-shape", default=None, metavar="HIDDEN,HEADS,KV_HEADS,FFN[,LAYERS]",
                         help="the twin target's widths (default: Llama-3-8B's on a GPU, 640,12,4,1792 on the CPU)")
     args = parser.parse_args(argv)
@@ -506,10 +575,9 @@ def main(argv: list[str] | None = None) -> int:
     say(f"gpu_check on {args.device}: {report['environment']}")
     shape = plan.twin if args.twin_shape is None else TwinShape.parse(args.twin_shape)
     plan.twin = shape
-    started = time.monotonic()
-    args.twin = load_twin(args.model, shape, torch.bfloat16, args.device)
-    say(f"twin of {Path(args.model).name} on {args.device}: {vars(shape)}, built in {time.monotonic() - started:.1f} s")
-    runs = {"logits": lambda: check_logits(args, plan), "greedy": lambda: check_greedy(args, plan),
+    args.twin = build_twin(args, shape)
+    runs = {"logits": lambda: check_logits(args, plan), "twin": lambda: check_twin(args, plan),
+            "greedy": lambda: check_greedy(args, plan),
             "exactness": lambda: check_exactness(args, plan), "speed": lambda: check_speed(args, plan, budget),
             "costs": lambda: check_costs(args, plan, budget, report["checks"].get("speed", {}))}
     for name in args.checks.split(","):

@@ -6,7 +6,7 @@ second process loads the same model at the same moment (a first fill of the cach
 two processes once failed the dry run), the second alone on the cache that the first filled.
 Prints each run's pass or fail, its wall time and its CPU time (the check's process and the
 workers it ended: on a shared machine the wall time says how crowded it was, the CPU time what
-the run cost), each check's (wall / CPU seconds), and leaves each run's report and log in --out. The goal (issue 54): every run passes, in
+the run cost), its peak memory (the twin check's build of a 1.7B-size twin sets it), each check's (wall / CPU seconds), and leaves each run's report and log in --out. The goal (issue 54): every run passes, in
 at most 3 minutes each on 2 quiet cores.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ class RunResult:
     returncode: int
     wall_s: float
     cpu_s: float  # the process's and its waited-for children's (SSD's workers), user + system
+    peak_gb: float  # the largest resident set of the process or one of those children
     log_tail: str
 
 
@@ -80,7 +81,8 @@ def run_check(out: Path, env: dict, *options: str, timeout: float = 600) -> RunR
     process.returncode = os.waitstatus_to_exitcode(status)
     wall = time.monotonic() - started
     tail = out.with_suffix(".log").read_text(errors="replace")[-3000:]
-    return RunResult(process.returncode == 0, process.returncode, wall, usage.ru_utime + usage.ru_stime, tail)
+    return RunResult(process.returncode == 0, process.returncode, wall, usage.ru_utime + usage.ru_stime,
+                     usage.ru_maxrss / 2**20, tail)
 
 
 def checks_line(out: Path) -> str:
@@ -126,13 +128,15 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             kind = "fresh cache, concurrent load" if concurrent else "filled cache, alone"
             print(f"run {run + 1}/{args.runs} ({kind}): {'passed' if result.passed else 'FAILED'} "
-                  f"in {result.wall_s:.0f} s wall, {result.cpu_s:.0f} s CPU; {checks_line(out / f'run{run}')}",
+                  f"in {result.wall_s:.0f} s wall, {result.cpu_s:.0f} s CPU, peak {result.peak_gb:.1f} GiB; "
+                  f"{checks_line(out / f'run{run}')}",
                   flush=True)
             if not result.passed:
                 print(result.log_tail, flush=True)
     walls = sorted(r.wall_s for r in results)
     print(f"{sum(r.passed for r in results)}/{len(results)} passed; wall {walls[0]:.0f}-{walls[-1]:.0f} s "
-          f"(median {walls[len(walls) // 2]:.0f}), CPU median {sorted(r.cpu_s for r in results)[len(results) // 2]:.0f} s")
+          f"(median {walls[len(walls) // 2]:.0f}), CPU median {sorted(r.cpu_s for r in results)[len(results) // 2]:.0f} s, "
+          f"peak memory up to {max(r.peak_gb for r in results):.1f} GiB")
     return 0 if all(r.passed for r in results) else 1
 
 

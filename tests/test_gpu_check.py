@@ -2,12 +2,16 @@
 
 The script is what a GPU lent for minutes runs, once; a break found only there costs the
 loan. Here it runs as a user runs it, a process of its own with --device cpu (captured passes
-emulated, the SSD worker on the CPU, a small twin as the target), on a fresh cache while a
-second process loads the same model at the same moment (its first load once failed so), and
-then again on the cache that run filled; every check must pass and land in its JSON report.
+emulated, the SSD worker on the CPU, a small twin as the target, and the twin check's twin at
+SmolLM2-1.7B's widths), on a fresh cache while a second process loads the same model at the
+same moment (its first load once failed so), and then again on the cache that run filled; every
+check must pass and land in its JSON report. The twin check fails twins that do not compute
+their source.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -18,6 +22,7 @@ import torch
 
 from saguaro.cli import main
 from saguaro.models import hub
+from saguaro.models.twin import TwinShape
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,13 +53,14 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(smollm2_path, tmp_path):
     first = runs.run_check(tmp_path / "first", env, "--budget-s", "420", timeout=540)
     assert loader.wait(timeout=300) == 0, loader.stderr.read()[-2000:]
     report = json.loads((tmp_path / "first" / "gpu_check.json").read_text())
-    assert set(report["checks"]) == {"logits", "greedy", "exactness", "speed", "costs"}
+    assert set(report["checks"]) == {"logits", "twin", "greedy", "exactness", "speed", "costs"}
     failed = {name: check for name, check in report["checks"].items() if not check.get("passed")}
     assert not failed and first.passed and report["passed"], first.log_tail
     assert report["checks"]["greedy"]["sd_captured_passes"] > 0  # the target's passes ran captured
     assert report["checks"]["greedy"]["ssd_draft_losses"] == 0
     assert report["checks"]["speed"]["metrics"]["ssd"]["draft_losses"] == 0
     assert report["checks"]["speed"]["twin"]["hidden_size"] > 576  # the target was the twin
+    assert (report["checks"]["twin"]["hidden_size"], report["checks"]["twin"]["num_layers"]) == (2048, 32)
     assert report["checks"]["exactness"]["control_pvalue"] < report["checks"]["exactness"]["alpha"]
     assert {"ar", "sd", "ssd", "auto"} <= set(report["checks"]["speed"]["tok_s"])
     assert {"ar", "sd", "ssd", "auto"} <= set(report["checks"]["speed"]["tok_s_t07"])
@@ -64,6 +70,17 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(smollm2_path, tmp_path):
 
     second = runs.run_check(tmp_path / "second", env, "--checks", "logits,greedy", timeout=540)  # the filled cache's replay
     assert second.passed and json.loads((tmp_path / "second" / "gpu_check.json").read_text())["passed"], second.log_tail
+
+
+@pytest.mark.parametrize("control", [{"rescale_norms": False}, {"head_placement": "contiguous"}])
+def test_the_twin_check_fails_a_twin_that_is_not_its_source(gpu_check, smollm2_path, control):
+    """tests/test_twin.py's controls through the dry run's twin check, at a small shape where a
+    kv head serves more query heads than in the source (as at 1.7B's widths)."""
+    args = argparse.Namespace(model=str(smollm2_path), device="cpu", twin=None)
+    plan = dataclasses.replace(gpu_check.plan_for("cpu"), full_twin=TwinShape(768, 16, 4, 2048, 31),
+                               prompts=2, new_tokens=8)
+    result = gpu_check.check_twin(args, plan, **control)
+    assert not result["passed"] and result["max_relative_logit_error"] > 2 * gpu_check.TWIN_LOGIT_TOLERANCE, result
 
 
 def test_what_if_is_the_planners_forecast(gpu_check):
