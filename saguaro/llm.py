@@ -80,11 +80,11 @@ class LLM:
         self.tokenizer = self.model.tokenizer
         if target is not None:  # already loaded (e.g. a twin of `model`: saguaro.models.twin), shared by engines
             self.target = target
-        elif config.tensor_parallel_size > 1:
+        elif config.tensor_parallel_size == 1:
+            self.target = load_model(self.model.path, self.dtype, config.device, config.quantization)
+        else:
             self.target = tensor_parallel(self.model.path, self.dtype, config.tensor_parallel_size, config.device,
                                           config.batch_invariant)
-        else:
-            self.target = load_model(self.model.path, self.dtype, config.device, config.quantization)
         self.target.set_batch_invariant(config.batch_invariant)
         graphs.attach(self.target, config.cuda_graphs)
         self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]

@@ -27,7 +27,7 @@ from saguaro.models.checkpoint import save_checkpoint
 from saguaro.speculation.policy import auto as auto_module
 from saguaro.speculation.policy import estimates as estimates_module
 from saguaro.speculation import build
-from saguaro.speculation.build import sd_drafter
+from saguaro.speculation.local.drafters import sd_drafter
 from saguaro.speculation.policy.auto import REFRESH_ROUNDS, SSD, SSD_MIN_ROUNDS, Controller, SSDLauncher
 from saguaro.speculation.policy.estimates import Estimates, batch_bucket
 from saguaro.speculation.policy.planning import RowCosts
