@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
-from collections.abc import Callable, Sequence as SequenceABC
+from collections.abc import Callable, Iterator, Sequence as SequenceABC
 from dataclasses import replace
 
 import torch
@@ -108,6 +109,16 @@ class LLM:
         judges it worth a core. Returns at once for other methods."""
         self.decoder.wait_for_ssd(start)
 
+    @contextlib.contextmanager
+    def decoding_with(self, engine: Engine) -> Iterator[None]:
+        """generate decodes with `engine` (another decoder over this target: the benchmark runs
+        its methods side by side on one loaded model) until the block ends."""
+        own, self.engine = self.engine, engine
+        try:
+            yield
+        finally:
+            self.engine = own
+
     def close(self) -> None:
         """Stops the draft worker, if any, and a tensor-parallel target's other ranks (also done
         at exit), and gives back the core the worker had."""
@@ -174,17 +185,16 @@ class LLM:
                     for update in self.engine.step().updates:
                         if on_token is not None and update.new_text:
                             on_token(index[update.seq.seq_id], update.new_text)
-                    bar.n = sum(s.params.max_tokens if s.finished else len(s.output_ids) for s in seqs)
-                    bar.refresh()
+                    bar.update(sum(s.params.max_tokens if s.finished else len(s.output_ids) for s in seqs) - bar.n)
         except BaseException:  # interrupted or failed: free what the batch held for the next call
             self.engine.abort(seqs)
             raise
         return [self._output(group, prompt) for group, prompt in zip(samples, prompts)]
 
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None) -> Sequence:
         """A request for this engine's decoder, with an id unique in this LLM (generate and the
-        server's scheduler both make them)."""
-        return Sequence(next(self._ids), prompt_ids, params, self.eos_token_ids, self.tokenizer)
+        server's scheduler both make them); arrival: when it came (perf_counter; now if None)."""
+        return Sequence(next(self._ids), prompt_ids, params, self.eos_token_ids, self.tokenizer, arrival)
 
     def _output(self, samples: list[Sequence], prompt: Prompt) -> RequestOutput:
         k = self.decoder.num_speculative_tokens
