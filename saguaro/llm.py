@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from saguaro.config import (EngineConfig, SpeculativeConfig, add_engine_arguments, add_speculative_arguments,
                             engine_config_from_args, speculative_config_from_args, split_options)
-from saguaro.engine.round import Decoder
+from saguaro.engine.decoder import Decoder
 from saguaro.engine.loop import AdmissionLimits, Engine
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence

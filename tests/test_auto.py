@@ -20,7 +20,8 @@ from saguaro import LLM, SamplingParams
 from saguaro.bench import plan
 from saguaro.config import SpeculativeConfig
 import saguaro.engine.verifier as verification
-from saguaro.engine.round import CacheHits, Decoder, RowRecord
+from saguaro.engine.decoder import Decoder
+from saguaro.engine.round import CacheHits, RowRecord
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.checkpoint import save_checkpoint

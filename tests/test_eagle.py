@@ -9,7 +9,7 @@ import torch
 
 from drafts import InProcessDraft, drafter_of, sd_decoder, ssd_decoder, ssd_of, worker_config
 from saguaro.config import SpeculativeConfig
-from saguaro.engine.round import Decoder
+from saguaro.engine.decoder import Decoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models.config import ModelConfig

@@ -121,9 +121,9 @@ def test_modules_land_in_their_layer(module, layer):
 
 
 # What runs only in the engine's process: the draft worker must load none of it.
-ENGINE_SIDE = ("saguaro.llm", "saguaro.engine.loop", "saguaro.engine.round", "saguaro.engine.verifier",
-               "saguaro.speculation.remote", "saguaro.speculation.policy", "saguaro.speculation.build",
-               "saguaro.server", "saguaro.bench")
+ENGINE_SIDE = ("saguaro.llm", "saguaro.engine.loop", "saguaro.engine.decoder", "saguaro.engine.round",
+               "saguaro.engine.verifier", "saguaro.speculation.remote", "saguaro.speculation.policy",
+               "saguaro.speculation.build", "saguaro.server", "saguaro.bench")
 
 
 def engine_side_modules_loaded_by(module: str) -> list[str]:

@@ -29,9 +29,9 @@ from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.llama import scatter_to_vocab
 from saguaro.models.checkpoint import save_checkpoint
-from saguaro.engine.round import Decoder
+from saguaro.engine.decoder import Decoder
 from saguaro.engine.sampler import sample
-from saguaro.engine.verify import verify
+from saguaro.engine.rejection import verify
 from saguaro.speculation.build import ar_decoder
 from saguaro.speculation.worker import speculator
 from saguaro.speculation.remote import client as remote_client

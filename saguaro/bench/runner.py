@@ -22,7 +22,7 @@ from tqdm import tqdm
 from saguaro.bench import peers, report
 from saguaro.config import METHODS as SPECULATIVE_METHODS, SpeculativeConfig
 from saguaro.engine.loop import Engine
-from saguaro.engine.round import Decoder
+from saguaro.engine.decoder import Decoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
 from saguaro.models import hub

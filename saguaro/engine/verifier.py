@@ -11,7 +11,7 @@ from saguaro.engine.runner import forward_chunks, prefill_chunks
 from saguaro.engine.sampler import WarpParams, sample, uniforms, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.tree import walk, walk_greedy
-from saguaro.engine.verify import point_masses, verify, verify_argmax, verify_greedy
+from saguaro.engine.rejection import point_masses, verify, verify_argmax, verify_greedy
 from saguaro.models.kv_cache import CacheRows, KVCache, ensure_cache
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache

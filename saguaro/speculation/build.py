@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from saguaro.config import SpeculativeConfig, TreeShape
-from saguaro.engine.round import Choice, Decoder, FixedPolicy
+from saguaro.engine.decoder import Decoder
+from saguaro.engine.round import Choice, FixedPolicy
 from saguaro.engine.verifier import Verifier
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel

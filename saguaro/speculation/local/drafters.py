@@ -19,7 +19,7 @@ from saguaro.engine.processing import LogitsProcessor, process_rows
 from saguaro.engine.proposal import Proposal
 from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import MIN_TEMPERATURE, SamplingParams, WarpParams, sample, uniforms, warp
-from saguaro.engine.verify import point_masses
+from saguaro.engine.rejection import point_masses
 from saguaro.models.kv_cache import CacheRows, KVCache, ensure_cache
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache, new_prefix_cache

@@ -20,7 +20,7 @@ from saguaro.config import TreeShape
 from saguaro.engine.proposal import Outcome, Proposal
 from saguaro.engine.round import CacheHits, RoundRecord, RowRecord
 from saguaro.engine.sequence import Sequence
-from saguaro.engine.verify import point_masses
+from saguaro.engine.rejection import point_masses
 from saguaro.models.llama import scatter_to_vocab
 from saguaro.speculation.local.drafters import FeatureLog
 from saguaro.speculation.policy.planning import GeometricPlan, SpeedModel, critical_batch_size
