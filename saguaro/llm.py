@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
-from collections.abc import Callable, Sequence as SequenceABC
+from collections.abc import Callable, Iterator, Sequence as SequenceABC
 from dataclasses import replace
 
 import torch
@@ -11,7 +12,7 @@ from tqdm import tqdm
 
 from saguaro.config import (EngineConfig, SpeculativeConfig, add_engine_arguments, add_speculative_arguments,
                             engine_config_from_args, speculative_config_from_args, split_options)
-from saguaro.engine.round import Decoder
+from saguaro.engine.decoder import Decoder
 from saguaro.engine.loop import AdmissionLimits, Engine
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
@@ -80,11 +81,11 @@ class LLM:
         self.tokenizer = self.model.tokenizer
         if target is not None:  # already loaded (e.g. a twin of `model`: saguaro.models.twin), shared by engines
             self.target = target
-        elif config.tensor_parallel_size > 1:
+        elif config.tensor_parallel_size == 1:
+            self.target = load_model(self.model.path, self.dtype, config.device, config.quantization)
+        else:
             self.target = tensor_parallel(self.model.path, self.dtype, config.tensor_parallel_size, config.device,
                                           config.batch_invariant)
-        else:
-            self.target = load_model(self.model.path, self.dtype, config.device, config.quantization)
         self.target.set_batch_invariant(config.batch_invariant)
         graphs.attach(self.target, config.cuda_graphs)
         self.eos_token_ids = self.target.config.eos_token_ids or [self.tokenizer.eos_token_id]
@@ -107,6 +108,16 @@ class LLM:
         among its choices from the next round; start: start it now rather than when auto first
         judges it worth a core. Returns at once for other methods."""
         self.decoder.wait_for_ssd(start)
+
+    @contextlib.contextmanager
+    def decoding_with(self, engine: Engine) -> Iterator[None]:
+        """generate decodes with `engine` (another decoder over this target: the benchmark runs
+        its methods side by side on one loaded model) until the block ends."""
+        own, self.engine = self.engine, engine
+        try:
+            yield
+        finally:
+            self.engine = own
 
     def close(self) -> None:
         """Stops the draft worker, if any, and a tensor-parallel target's other ranks (also done
@@ -174,17 +185,16 @@ class LLM:
                     for update in self.engine.step().updates:
                         if on_token is not None and update.new_text:
                             on_token(index[update.seq.seq_id], update.new_text)
-                    bar.n = sum(s.params.max_tokens if s.finished else len(s.output_ids) for s in seqs)
-                    bar.refresh()
+                    bar.update(sum(s.params.max_tokens if s.finished else len(s.output_ids) for s in seqs) - bar.n)
         except BaseException:  # interrupted or failed: free what the batch held for the next call
             self.engine.abort(seqs)
             raise
         return [self._output(group, prompt) for group, prompt in zip(samples, prompts)]
 
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None) -> Sequence:
         """A request for this engine's decoder, with an id unique in this LLM (generate and the
-        server's scheduler both make them)."""
-        return Sequence(next(self._ids), prompt_ids, params, self.eos_token_ids, self.tokenizer)
+        server's scheduler both make them); arrival: when it came (perf_counter; now if None)."""
+        return Sequence(next(self._ids), prompt_ids, params, self.eos_token_ids, self.tokenizer, arrival)
 
     def _output(self, samples: list[Sequence], prompt: Prompt) -> RequestOutput:
         k = self.decoder.num_speculative_tokens

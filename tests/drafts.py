@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from saguaro.config import Backup, SpeculativeConfig
-from saguaro.engine.round import Decoder
+from saguaro.engine.decoder import Decoder
 from saguaro.models.llama import LlamaModel
 from saguaro.speculation import build
 from saguaro.speculation.local.drafters import Drafter

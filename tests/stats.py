@@ -20,7 +20,7 @@ import torch
 
 from saguaro.engine.runner import forward_chunks
 from saguaro.engine.sampler import SamplingParams, WarpParams, warp
-from saguaro.engine.verify import verify
+from saguaro.engine.rejection import verify
 from saguaro.models.kv_cache import new_cache
 from saguaro.models.llama import LlamaModel
 

@@ -20,14 +20,15 @@ from saguaro import LLM, SamplingParams
 from saguaro.bench import plan
 from saguaro.config import SpeculativeConfig
 import saguaro.engine.verifier as verification
-from saguaro.engine.round import CacheHits, Decoder, RowRecord
+from saguaro.engine.decoder import Decoder
+from saguaro.engine.round import CacheHits, RowRecord
 from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.checkpoint import save_checkpoint
 from saguaro.speculation.policy import auto as auto_module
 from saguaro.speculation.policy import estimates as estimates_module
 from saguaro.speculation import build
-from saguaro.speculation.build import sd_drafter
+from saguaro.speculation.local.drafters import sd_drafter
 from saguaro.speculation.policy.auto import REFRESH_ROUNDS, SSD, SSD_MIN_ROUNDS, Controller, SSDLauncher
 from saguaro.speculation.policy.estimates import Estimates, batch_bucket
 from saguaro.speculation.policy.planning import RowCosts

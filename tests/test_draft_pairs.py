@@ -13,7 +13,7 @@ import transformers
 
 from saguaro import LLM, SamplingParams
 import saguaro.engine.verifier as verification
-from saguaro.engine.verify import verify
+from saguaro.engine.rejection import verify
 from saguaro.models.gguf_file import read_gguf_file
 from saguaro.models.llama import LlamaModel
 from saguaro.models.pairing import IncompatibleDraftError, fit_vocabulary, resolve_model

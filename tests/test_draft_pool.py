@@ -12,7 +12,7 @@ import pytest
 from drafts import ssd_decoder, ssd_of, worker_config
 from saguaro import SamplingParams
 import saguaro.engine.verifier as verification
-from saguaro.engine.round import Decoder
+from saguaro.engine.decoder import Decoder
 from saguaro.engine.sequence import Sequence
 from saguaro.speculation.remote.client import DraftClient
 from saguaro.speculation.policy.planning import uniform_fan_out

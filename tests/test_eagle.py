@@ -9,14 +9,15 @@ import torch
 
 from drafts import InProcessDraft, drafter_of, sd_decoder, ssd_decoder, ssd_of, worker_config
 from saguaro.config import SpeculativeConfig
-from saguaro.engine.round import Decoder
+from saguaro.engine.decoder import Decoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.models.config import ModelConfig
 from saguaro.models.eagle import EagleDraft
 from saguaro.models.kv_cache import KVCache
 from saguaro.models.checkpoint import load_checkpoint
-from saguaro.speculation.build import ar_decoder, auto_decoder, sd_drafter
+from saguaro.speculation.build import ar_decoder, auto_decoder
+from saguaro.speculation.local.drafters import sd_drafter
 from test_exactness import TINY_V, tiny_model
 from test_ssd import ALPHA, NO_CANDIDATES, SSD_K, decode_all, saved_draft, ssd_pvalue
 

@@ -19,7 +19,7 @@ import saguaro.engine.verifier as verification
 import saguaro.engine.sampler as sampler
 from saguaro.engine.sampler import SamplingParams, WarpParams, sample, warp
 from saguaro.engine.sequence import Sequence
-from saguaro.engine.verify import verify, verify_greedy
+from saguaro.engine.rejection import verify, verify_greedy
 from saguaro.models.native import bindings, layers
 from saguaro.models.config import ModelConfig
 from saguaro.models.llama import Execution, LlamaModel

@@ -121,12 +121,12 @@ def test_backup_time_is_measured_only_on_rounds_that_ran_a_backup():
     from saguaro.engine.proposal import Outcome
     from saguaro.engine.round import RowRecord
     from saguaro.speculation.protocol import RequestSpeculation, Speculation
-    from saguaro.speculation.remote.proposer import RemoteProposer, SSDStats
+    from saguaro.speculation.remote.proposer import SSDStats
 
     decoder = SimpleNamespace(stats=SSDStats())
     for looked, backup_s in ((True, 0.0001), (False, 0.012), (True, 0.0001)):
         spec = Speculation([RequestSpeculation([0], hit=False, lookup=looked)], backup_time_s=backup_s)
-        RemoteProposer._record(decoder, [Outcome(1, 7)], spec, [RowRecord(2, 3, False, looked)], "neural", 0.0, 0.030)
+        decoder.stats.add_round([Outcome(1, 7)], spec, [RowRecord(2, 3, False, looked)], "neural", 0.0, 0.030)
     assert decoder.stats.backup_s["neural"] == [0.012]
     assert len(decoder.stats.lookup_lengths) == 2 and decoder.stats.miss_lengths["neural"] == [3]
     assert (decoder.stats.cache.rounds, decoder.stats.cache.lookup_rounds, decoder.stats.cache.hits) == (3, 2, 0)
@@ -145,8 +145,7 @@ def test_the_fan_out_follows_the_latest_acceptance_lengths_of_hits_and_misses_al
     decoder = SimpleNamespace(stats=SSDStats())
     for hit, accepted in [(False, 3)] * RECENT + [(True, 0)] * RECENT:  # long accepts on misses, then short on hits
         spec = Speculation([RequestSpeculation([0], hit=hit, miss=None if hit else "bonus")], backup_time_s=0.0)
-        RemoteProposer._record(decoder, [Outcome(1, 7)], spec, [RowRecord(accepted, accepted + 1, hit)], "neural",
-                               0.0, 0.030)
+        decoder.stats.add_round([Outcome(1, 7)], spec, [RowRecord(accepted, accepted + 1, hit)], "neural", 0.0, 0.030)
     assert list(decoder.stats.recent_lengths) == [1] * RECENT  # (the misses' 4s, older, are out)
     chosen = []
     planner = SimpleNamespace(stats=decoder.stats, plan=GeometricPlan(budget=16, power_law_r=0.6), k=5,

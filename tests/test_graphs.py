@@ -17,7 +17,7 @@ import saguaro.models.graphs as graphs_module
 from conftest import NEW_TOKENS
 from drafts import sd_decoder
 from saguaro import LLM, SamplingParams
-from saguaro.engine.verify import verify_argmax, verify_greedy
+from saguaro.engine.rejection import verify_argmax, verify_greedy
 from saguaro.models import graphs
 from saguaro.models.kv_cache import new_cache
 from stats import ks_pvalue, teacher_forced_pit

@@ -67,8 +67,9 @@ class StandInLLM:
         self.target = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT))
         self._ids = itertools.count()
 
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        return Sequence(next(self._ids), prompt_ids, params, eos_token_ids=[], tokenizer=CountingTokenizer())
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None) -> Sequence:
+        return Sequence(next(self._ids), prompt_ids, params, eos_token_ids=[], tokenizer=CountingTokenizer(),
+                        arrival=arrival)
 
 
 class Client:

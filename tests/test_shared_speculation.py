@@ -10,7 +10,7 @@ import math
 
 from drafts import InProcessDraft, ssd_decoder, ssd_of, worker_config
 import saguaro.engine.verifier as verification
-from saguaro.engine.round import Decoder
+from saguaro.engine.decoder import Decoder
 from saguaro.engine.runner import forward_chunks
 from saguaro.engine.sampler import SamplingParams, WarpParams, warp
 from saguaro.engine.sequence import Sequence

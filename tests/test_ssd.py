@@ -7,6 +7,7 @@ negative controls can break it; greedy equality and the fault test use a real wo
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -28,9 +29,9 @@ from saguaro.engine.sequence import Sequence
 from saguaro.models import hub
 from saguaro.models.llama import scatter_to_vocab
 from saguaro.models.checkpoint import save_checkpoint
-from saguaro.engine.round import Decoder
+from saguaro.engine.decoder import Decoder
 from saguaro.engine.sampler import sample
-from saguaro.engine.verify import verify
+from saguaro.engine.rejection import verify
 from saguaro.speculation.build import ar_decoder
 from saguaro.speculation.worker import speculator
 from saguaro.speculation.remote import client as remote_client
@@ -613,18 +614,17 @@ def real_ssd_decoder(llm, draft_dir, backup: str, budget: int = 4, prompt_lookup
 @pytest.fixture
 def with_ssd(llm):
     """Swaps the shared LLM's decoder for an SSD one and restores it afterwards."""
-    ar_engine = llm.engine
     made = []
+    with contextlib.ExitStack() as swapped:
 
-    def install(decoder):
-        made.append(decoder)
-        llm.engine = Engine(decoder)
-        return llm
+        def install(decoder):
+            made.append(decoder)
+            swapped.enter_context(llm.decoding_with(Engine(decoder)))
+            return llm
 
-    yield install
+        yield install
     for decoder in made:
         decoder.close()
-    llm.engine = ar_engine
 
 
 @pytest.mark.parametrize("batch, count, backup", [(1, 4, "neural"), (4, 12, "neural"), (4, 12, "fast")])

@@ -33,7 +33,7 @@ from saguaro.engine.runner import forward_chunks
 from saguaro.engine.sampler import sample
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.round import jump_width
-from saguaro.engine.verify import verify
+from saguaro.engine.rejection import verify
 from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, TokenMasks, grammar_tokenizer
 from saguaro.models import hub
 from saguaro.models.kv_cache import new_cache

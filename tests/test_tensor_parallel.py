@@ -89,12 +89,11 @@ def test_two_ranks_decode_one_ranks_greedy_tokens(tp_llm, prompts, ar_greedy):
 
 
 def speculative_outputs(llm: LLM, decoder, prompts) -> list[list[int]]:
-    engine, llm.engine = llm.engine, Engine(decoder)
     try:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+        with llm.decoding_with(Engine(decoder)):
+            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
     finally:
         decoder.close()
-        llm.engine = engine
     return [o.token_ids for o in outputs]
 
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from saguaro.bench import peers, report
 from saguaro.config import METHODS as SPECULATIVE_METHODS, SpeculativeConfig
 from saguaro.engine.loop import Engine
-from saguaro.engine.round import Decoder
+from saguaro.engine.decoder import Decoder
 from saguaro.engine.sampler import SamplingParams
 from saguaro.llm import LLM
 from saguaro.models import hub
@@ -136,8 +136,8 @@ def build_engines(llm: LLM, config: BenchConfig, cores: dict[str, tuple[set[int]
     def saguaro_engine(name: str, engine: Engine):
         def generate(prompts, params):
             use_cores(*cores[name if name == "ssd" else "all"])
-            llm.engine = engine
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            with llm.decoding_with(engine):
+                outputs = llm.generate(prompts, params, use_tqdm=False)
             return [asdict(out.metrics) for out in outputs]
         return generate
 
@@ -192,7 +192,6 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
     llm = LLM(config.model, config.speculative.as_method("ar"), dtype=config.dtype,
               quantization=config.quantization, enable_prefix_caching=False)
     cores = {"all": everything}
-    llm_engine = llm.engine
     steps = [(d, t, b, i) for d in config.datasets for t in config.temperatures for b in config.batch_sizes
              for i in range(0, config.num_prompts, b)]
     sweep_runs = len(config.fan_out_sweep) * config.num_prompts
@@ -207,7 +206,7 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
                 if start == 0 and built.ssd is not None:
                     built.ssd.reset_stats()
                 if start == 0 and built.auto is not None:
-                    built.auto.controller.rounds_by_choice.clear()  # what it chose in this group
+                    built.auto.controller.reset_stats()  # what it chose in this group
                 names = [m for m in engines if runnable(m, batch)]
                 names = names[turn % len(names):] + names[:turn % len(names)]
                 batch_prompts = prompts[dataset][start:start + batch]
@@ -227,11 +226,9 @@ def run(config: BenchConfig, out_dir: Path | None = None) -> dict:
                 if start + batch >= config.num_prompts and built.auto is not None:
                     chosen = built.auto.controller.summary()["auto_rounds_by_k"]
                     auto_choices[report.key(dataset, temperature, batch)] = chosen
-            llm.engine = llm_engine
             built.close()  # the sweep's worker needs the draft core now; closing again below is a no-op
             sweep = fan_out_sweep(config, prompts[config.datasets[0]], bar) if config.fan_out_sweep else None
     finally:
-        llm.engine = llm_engine
         llm.close()
         if built is not None:
             built.close()

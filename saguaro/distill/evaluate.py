@@ -53,12 +53,12 @@ def speculate(target: LlamaModel, draft: LlamaModel, prompt: list[int], k: int, 
 def acceptance(target: LlamaModel, draft: LlamaModel, prompts: list[list[int]], k: int = 5,
                temperature: float = 0.0, new_tokens: int = 128, eos_ids: set[int] = frozenset(),
                seed: int = 0, progress=None) -> Acceptance:
-    result = Acceptance(k)
+    lengths = []
     for i, prompt in enumerate(prompts):
-        result.lengths += speculate(target, draft, prompt, k, temperature, new_tokens, set(eos_ids), seed + i)
+        lengths += speculate(target, draft, prompt, k, temperature, new_tokens, set(eos_ids), seed + i)
         if progress is not None:
             progress.update(1)
-    return result
+    return Acceptance(k, lengths)
 
 
 @torch.inference_mode()

@@ -11,7 +11,7 @@ import ast
 import random
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -183,9 +183,7 @@ def with_features(target: LlamaModel, shards: list[Path], progress=None) -> list
             partial = path.with_suffix(".partial")
             torch.save(target_features(target, batch), partial)
             partial.replace(path)
-        for s, f in zip(batch, torch.load(path)):
-            s.features = f
-        sequences += batch
+        sequences += [replace(s, features=f) for s, f in zip(batch, torch.load(path))]
         if progress is not None:
             progress.update(1)
     return sequences

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from saguaro.engine.round import Decoder
+from saguaro.engine.decoder import Decoder
 from saguaro.engine.sequence import Sequence
 
 

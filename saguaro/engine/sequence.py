@@ -38,10 +38,11 @@ class SequenceStats:
 
 class Sequence:
     """tokenizer: decodes the output as it is committed, for its text and stop strings (a
-    sequence without one has no text)."""
+    sequence without one has no text). arrival: when its request came (perf_counter; now if
+    None)."""
 
     def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams,
-                 eos_token_ids: list[int], tokenizer: Tokenizer | None = None):
+                 eos_token_ids: list[int], tokenizer: Tokenizer | None = None, arrival: float | None = None):
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if params.stop and tokenizer is None:
@@ -55,7 +56,8 @@ class Sequence:
         self.generator = torch.Generator().manual_seed(seed)
         self.finish_reason: str | None = None
         self.detokenizer = Detokenizer(tokenizer, params.stop) if tokenizer is not None else None
-        self.stats = SequenceStats(prompt_len=len(prompt_ids), t_arrival=time.perf_counter())
+        self.stats = SequenceStats(prompt_len=len(prompt_ids),
+                                   t_arrival=time.perf_counter() if arrival is None else arrival)
         grammar = None
         if params.structured_outputs is not None:
             if tokenizer is None:
@@ -65,6 +67,13 @@ class Sequence:
         self.processor = LogitsProcessor.of(params, self.stop_ids, grammar)
         self.logprobs: list[TokenLogprobs] = []  # one per output token, when params.logprobs is set
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None  # position 0: None
+
+    def prefilled(self, cached_tokens: int, prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
+        """Records what its prompt's pass found: the prompt tokens whose KV entries came from
+        the prefix cache, and the prompt's log-probabilities where they were asked for."""
+        self.stats.cached_tokens = cached_tokens
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
 
     @property
     def prompt_len(self) -> int:

@@ -11,7 +11,7 @@ from saguaro.engine.runner import forward_chunks, prefill_chunks
 from saguaro.engine.sampler import WarpParams, sample, uniforms, warp
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.tree import walk, walk_greedy
-from saguaro.engine.verify import point_masses, verify, verify_argmax, verify_greedy
+from saguaro.engine.rejection import point_masses, verify, verify_argmax, verify_greedy
 from saguaro.models.kv_cache import CacheRows, KVCache, ensure_cache
 from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
@@ -97,15 +97,13 @@ class Verifier:
             for j, i in enumerate(group):
                 starts[i] = group_starts[j]
                 hidden[i] = ran[j, :len(chunks[j]) - group_starts[j]]
-        for i in whole:
-            seq = seqs[i]
-            logits = self.target.logits(hidden[i][:-1])
-            seq.prompt_logprobs = [None] + token_logprobs(logits, seq.prompt_ids[1:], seq.params.prompt_logprobs)
+        prompt_logprobs = {i: [None] + token_logprobs(self.target.logits(hidden[i][:-1]), seqs[i].prompt_ids[1:],
+                                                      seqs[i].params.prompt_logprobs) for i in whole}
         raw = self.target.logits(torch.stack([h[-1] for h in hidden]))[:, None]
         final = processed(raw, seqs, [[[]] for _ in seqs])
         first = sample_next(final[:, 0], seqs)
         for i, (seq, token, start) in enumerate(zip(seqs, first, starts)):
-            seq.stats.cached_tokens = start
+            seq.prefilled(start, prompt_logprobs.get(i))
             commit_with_logprobs(seq, [token], raw[i], final[i])
         return hidden
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from saguaro.models.native import bindings, layers
+from saguaro.models.native import bindings, layers, packing
 from saguaro.models.config import ModelConfig
+from saguaro.models.eagle import model_class
 from saguaro.models.llama import Execution, LlamaModel
 from saguaro.models.packed import pack_linears
 from saguaro.models.quantized import (FileBlocks, GroupCodes, GroupInt4, GroupInt5, GroupInt6, GroupInt8, StackedCodes,
@@ -85,15 +86,45 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCod
             del state[name]
             state.pop(f"{module}.bias", None)
     state = {k: plain_weights(v, dtype) for k, v in state.items()}
-    model = LlamaModel.with_weights(config, state, quantized).to(device)
-    return frozen(model, mode)
+    return assemble(config, state, quantized, mode, device)
 
 
-def frozen(model: LlamaModel, quantization: str | None) -> LlamaModel:
-    """An inference model: eval mode, no gradients, CPU weights in oneDNN's layout, its layers
-    run by saguaro's kernels where they take them; `quantization`: the mode its projections
-    were built in."""
+def assemble(config: ModelConfig, state: dict[str, torch.Tensor], modules: dict[str, torch.nn.Module] | None = None,
+             quantization: str | None = None, device: str | torch.device = "cpu") -> LlamaModel:
+    """The inference model holding `state` and `modules` (LlamaModel.with_weights), of the
+    class its config names (EAGLE or not), on `device`: eval mode, no gradients, CPU weights in
+    oneDNN's layout, its layers run by saguaro's kernels where they take them. quantization:
+    the mode its projections were built in. Every loader (checkpoints of each format, a
+    tensor-parallel shard) ends here, so a model is put together one way."""
+    model = model_class(config).with_weights(config, state, modules).to(device)
     model.eval().requires_grad_(False)
     model = pack_linears(model, model.device, model.dtype)
     model.use(Execution(quantization=quantization, native_layers=layers.native_layers(model)))
     return model
+
+
+def quantized_projections(config: ModelConfig, state: dict[str, torch.Tensor], mode: str,
+                          dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    """A float checkpoint's projections quantized, by name, their weights taken out of `state`:
+    "int8" / "int4" as build_model does; "auto", where saguaro's kernels run, int4 groups and an
+    int8-group head (a draft's precision decides only how often its proposals are accepted,
+    never what is sampled, and a draft step reads about a third of bf16's bytes so). EAGLE
+    drafts stay as they are."""
+    if mode == "none" or (mode == "auto" and (not bindings.available() or config.eagle)):
+        return {}
+    modules = {}
+    for i in range(config.num_layers):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            module = f"layers.{i}.{name}"
+            weight = state[f"{module}.weight"]
+            quantized = quantized_linear(GroupInt4.from_float(weight) if mode == "auto" else weight,
+                                         state.get(f"{module}.bias"), mode, dtype)
+            if quantized is not None:
+                modules[module] = quantized
+                del state[f"{module}.weight"]
+                state.pop(f"{module}.bias", None)
+    head = state["lm_head.weight"]
+    if mode == "auto" and not config.tie_word_embeddings and packing.fits(*head.shape):
+        modules["lm_head"] = quantized_linear(GroupInt8.from_float(head), None, mode, dtype, torch.float32)
+        del state["lm_head.weight"]
+    return modules

@@ -7,13 +7,11 @@ from pathlib import Path
 
 import torch
 
-from saguaro.models.native import bindings, packing
-from saguaro.models.build import frozen
+from saguaro.models.build import assemble, quantized_projections
 from saguaro.models.config import ModelConfig
-from saguaro.models.eagle import model_class
 from saguaro.models.hub import ModelNotFoundError
 from saguaro.models.llama import LlamaModel
-from saguaro.models.quantized import GroupInt4, GroupInt8, check_mode, quantized_linear
+from saguaro.models.quantized import check_mode
 
 
 SHARED_EMBEDDING = "embed_tokens.weight"
@@ -46,7 +44,7 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu", embeddings: torch.Tensor | None = None,
                     quantization: str | None = None, config: ModelConfig | None = None) -> LlamaModel:
     """A saguaro checkpoint; `embeddings` supplies the table when the checkpoint omits it. With
-    `quantization`, its projections are quantized as `quantize_checkpoint` says. config: its
+    `quantization`, its projections are quantized as `quantized_projections` says. config: its
     config.json where the caller has read it already."""
     from safetensors.torch import load_file
 
@@ -63,31 +61,11 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32,
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state[SHARED_EMBEDDING]
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    model = model_class(config).with_weights(config, state).to(device)
+    modules = {}
     if quantization is not None:
         quantization = check_mode(quantization, dtype, torch.device(device))
-        quantize_checkpoint(model, quantization)
-    return frozen(model, quantization)
-
-
-def quantize_checkpoint(model: LlamaModel, mode: str) -> None:
-    """Quantizes a float checkpoint's projections in place: "int8" / "int4" as build_model does;
-    "auto", where saguaro's kernels run, int4 groups and an int8-group head (a draft's
-    precision decides only how often its proposals are accepted, never what is sampled, and a
-    draft step reads about a third of bf16's bytes so). EAGLE drafts stay as they are."""
-    if mode == "none" or (mode == "auto" and (not bindings.available() or model.reads_features)):
-        return
-    for i in range(len(model.layers)):
-        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-            linear = model.get_submodule(f"layers.{i}.{name}")
-            weight = linear.weight.detach()
-            quantized = quantized_linear(GroupInt4.from_float(weight) if mode == "auto" else weight,
-                                         linear.bias, mode, model.dtype)
-            if quantized is not None:
-                model.set_submodule(f"layers.{i}.{name}", quantized)
-    head = model.lm_head.weight.detach()
-    if mode == "auto" and not model.config.tie_word_embeddings and packing.fits(*head.shape):
-        model.set_submodule("lm_head", quantized_linear(GroupInt8.from_float(head), None, mode, model.dtype, torch.float32))
+        modules = quantized_projections(config, state, quantization, dtype)
+    return assemble(config, state, modules, quantization, device)
 
 
 def has_own_embeddings(folder: str | Path) -> bool:
@@ -95,3 +73,10 @@ def has_own_embeddings(folder: str | Path) -> bool:
 
     with safe_open(Path(folder) / "model.safetensors", "pt") as f:
         return SHARED_EMBEDDING in f.keys()
+
+
+def draft_embeddings(target: LlamaModel) -> torch.Tensor:
+    """The embedding table a draft that omits its own borrows from `target`: the target's, or a
+    twin's source's (saguaro.models.twin: its first columns), as the draft was made for the source."""
+    width = target.config.source_hidden_size or target.config.hidden_size
+    return target.embed_tokens.weight.detach()[:, :width].contiguous()

@@ -21,6 +21,7 @@ from saguaro.models.quantized import GroupCodes
 
 
 def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupCodes]]:
+    """A Hugging Face folder's or a GGUF file's config and weights, as they are stored."""
     folder, gguf_file = checkpoint_files(Path(path))
     return read_gguf(gguf_file) if gguf_file else read_hf_folder(folder)
 
@@ -28,10 +29,10 @@ def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", quantization: str | None = None) -> LlamaModel:
     """A checkpoint as a frozen model; see build_model for `quantization`."""
+    folder, gguf_file = checkpoint_files(Path(path))
     if is_saguaro_checkpoint(path):
         return load_checkpoint(path, dtype, device)
-    config, hf_state = read_checkpoint(path)
-    gguf_file = checkpoint_files(Path(path))[1]
+    config, hf_state = read_gguf(gguf_file) if gguf_file else read_hf_folder(folder)
     if gguf_file is None or not bindings.available() or torch.device(device).type != "cpu":
         return build_model(config, hf_state, dtype, device, quantization)
     stat = gguf_file.stat()

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from saguaro.models import graphs, hub
-from saguaro.models.checkpoint import has_own_embeddings, is_saguaro_checkpoint, load_checkpoint
+from saguaro.models.checkpoint import draft_embeddings, has_own_embeddings, is_saguaro_checkpoint, load_checkpoint
 from saguaro.models.config import ModelConfig
 from saguaro.models.gguf_file import read_gguf_file
 from saguaro.models.hub import checkpoint_files
@@ -128,10 +128,10 @@ def load_draft(path: str | Path, target: LlamaModel, dtype: torch.dtype | None =
                config: ModelConfig | None = None) -> LlamaModel:
     """A draft for `target`: a saguaro checkpoint (embeddings borrowed from the target when the
     draft omits them) or any other checkpoint load_model reads. Vocabularies must match, or be
-    one tokenizer's of `tokens` tokens (match_tokenizers') padded to different numbers
-    of rows (fit_vocabulary). It is quantized as the target was (`quantize_checkpoint`), where
-    it runs in the target's dtype. config: a saguaro checkpoint's config.json, where the caller
-    has read it (DraftPairing)."""
+    one tokenizer's of `tokens` tokens (match_tokenizers') padded to different numbers of rows
+    (fit_vocabulary). It is quantized as the target was (build.quantized_projections), where it
+    runs in the target's dtype. config: a saguaro checkpoint's config.json, where the caller has
+    read it (DraftPairing)."""
     dtype, device = dtype or target.dtype, device or target.device
     quantization = target.quantization if dtype == target.dtype else None
     if config is not None or is_saguaro_checkpoint(path):
@@ -148,13 +148,6 @@ def load_draft(path: str | Path, target: LlamaModel, dtype: torch.dtype | None =
         _check_vocab(draft.config, target.config, path)
         return draft
     return fit_vocabulary(draft, target.config.vocab_size, tokens)
-
-
-def draft_embeddings(target: LlamaModel) -> torch.Tensor:
-    """The embedding table a draft that omits its own borrows from `target`: the target's, or a
-    twin's source's (saguaro.models.twin: its first columns), as the draft was made for the source."""
-    width = target.config.source_hidden_size or target.config.hidden_size
-    return target.embed_tokens.weight.detach()[:, :width].contiguous()
 
 
 def fit_vocabulary(draft: LlamaModel, rows: int, tokens: int) -> LlamaModel:

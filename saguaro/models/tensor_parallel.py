@@ -85,14 +85,13 @@ def shard_state(config: ModelConfig, state: dict[str, torch.Tensor], rank: int, 
 
 def shard_model(model: LlamaModel, rank: int, world: int) -> LlamaModel:
     """Rank `rank`'s slice of a whole (full-precision) model, frozen for inference."""
-    from saguaro.models.build import frozen
+    from saguaro.models.build import assemble
 
     if model.quantization not in (None, "none"):
         raise ValueError("tensor parallelism splits full-precision weights: load with quantization='none'")
     config = shard_config(model.config, rank, world)
     state = shard_state(model.config, model.state_dict(), rank, world)
-    shard = LlamaModel.with_weights(config, state)
-    return frozen(shard, model.quantization)
+    return assemble(config, state, quantization=model.quantization)
 
 
 class Ranks:
@@ -230,33 +229,33 @@ def tensor_parallel(path: str | Path, dtype: torch.dtype, world: int, device: st
         raise ValueError("tensor parallelism runs on CPU (gloo) in this version; CUDA (NCCL) is not built yet")
     path, threads = str(path), max(1, torch.get_num_threads() // world)
     torch.set_num_threads(threads)
-    if under_torchrun():
-        if int(os.environ["WORLD_SIZE"]) != world:
-            raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} ranks for tensor_parallel_size {world}")
-        rank = int(os.environ["RANK"])
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=TIMEOUT)
-        ranks = Ranks(dist.distributed_c10d._get_default_group(), rank, world)
-        shard = load_shard(path, dtype, rank, world)
-        if rank != 0:
-            serve(join(shard, ranks, batch_invariant), ranks)
-            dist.destroy_process_group()
-            raise SystemExit(0)
-        return join(shard, ranks, batch_invariant, Driver(ranks, []))
-    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=TIMEOUT, wait_for_workers=False)
-    dtype_name = str(dtype).removeprefix("torch.")
-    processes = [subprocess.Popen([sys.executable, "-c", WORKER, path, dtype_name, str(rank), str(world),
-                                   str(store.port), str(threads), str(int(batch_invariant))])
-                 for rank in range(1, world)]
-    try:
-        shard = load_shard(path, dtype, 0, world)
-        _await_loaded(store, processes)
-        ranks = Ranks(_gloo(store, 0, world), 0, world)
-    except BaseException:
-        for process in processes:
-            process.kill()
-        raise
-    return join(shard, ranks, batch_invariant, Driver(ranks, processes, store))
+    if not under_torchrun():
+        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=TIMEOUT, wait_for_workers=False)
+        dtype_name = str(dtype).removeprefix("torch.")
+        processes = [subprocess.Popen([sys.executable, "-c", WORKER, path, dtype_name, str(rank), str(world),
+                                       str(store.port), str(threads), str(int(batch_invariant))])
+                     for rank in range(1, world)]
+        try:
+            shard = load_shard(path, dtype, 0, world)
+            _await_loaded(store, processes)
+            ranks = Ranks(_gloo(store, 0, world), 0, world)
+        except BaseException:
+            for process in processes:
+                process.kill()
+            raise
+        return join(shard, ranks, batch_invariant, Driver(ranks, processes, store))
+    if int(os.environ["WORLD_SIZE"]) != world:
+        raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} ranks for tensor_parallel_size {world}")
+    rank = int(os.environ["RANK"])
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=TIMEOUT)
+    ranks = Ranks(dist.distributed_c10d._get_default_group(), rank, world)
+    shard = join(load_shard(path, dtype, rank, world), ranks, batch_invariant, Driver(ranks, []) if rank == 0 else None)
+    if rank == 0:
+        return shard
+    serve(shard, ranks)
+    dist.destroy_process_group()
+    raise SystemExit(0)
 
 
 WORKER = "import sys; from saguaro.models.tensor_parallel import worker; worker(*sys.argv[1:])"

@@ -62,6 +62,10 @@ class Request:
     request_id: int = -1  # set by submit
     seq: Sequence | None = None  # what the engine decodes, made by submit
 
+    def admit(self, request_id: int, seq: Sequence) -> None:
+        """Takes the id and the sequence the scheduler gives it when it accepts it."""
+        self.request_id, self.seq = request_id, seq
+
 
 @dataclass
 class SchedulerStats:
@@ -85,6 +89,11 @@ class _Tracked:
     seq: Sequence
     tokens_counted: int = 0  # output tokens already in the stats
     logprobs_sent: int = -1  # entries of seq.logprobs already sent; -1: nothing sent yet
+
+    def count_new_tokens(self) -> int:
+        """The output tokens committed since the last count (the stats add them)."""
+        new, self.tokens_counted = len(self.seq.output_ids) - self.tokens_counted, len(self.seq.output_ids)
+        return new
 
     def update(self, text: str) -> Update:
         """The update that sends `text` and what else is new since the last one."""
@@ -141,8 +150,7 @@ class Scheduler:
         if request.params.max_tokens > self.max_new_tokens(len(request.prompt_ids)):
             raise ValueError(f"{len(request.prompt_ids)} prompt tokens + max_tokens {request.params.max_tokens} "
                              f"exceed the context of {self.max_model_len} tokens")
-        request.seq = self.llm.new_sequence(request.prompt_ids, request.params)
-        request.seq.stats.t_arrival = request.arrival
+        seq = self.llm.new_sequence(request.prompt_ids, request.params, request.arrival)
         with self._lock:
             if self._deadline is not None:
                 raise ShuttingDown("the server is shutting down")
@@ -150,7 +158,7 @@ class Scheduler:
                 self._stats.rejected += 1
                 raise QueueFull(f"{self._num_running} requests running and "
                                 f"{self._num_unfinished - self._num_running} waiting")
-            request.request_id = next(self._ids)
+            request.admit(next(self._ids), seq)
             self._submitted.append(request)
             self._num_unfinished += 1
             self._wakeup.notify()
@@ -266,8 +274,7 @@ class Scheduler:
         with self._lock:
             s, new_tokens = self._stats, 0
             for r in took_part:
-                new_tokens += len(r.seq.output_ids) - r.tokens_counted
-                r.tokens_counted = len(r.seq.output_ids)
+                new_tokens += r.count_new_tokens()
             s.generation_tokens += new_tokens
             self._recent.append((time.perf_counter(), new_tokens))
             self._forget_old_rounds()

@@ -14,13 +14,15 @@ from pathlib import Path
 import torch
 
 from saguaro.config import SpeculativeConfig, TreeShape
-from saguaro.engine.round import Choice, Decoder, FixedPolicy
+from saguaro.engine.decoder import Decoder
+from saguaro.engine.round import Choice, FixedPolicy
 from saguaro.engine.verifier import Verifier
 from saguaro.models import hub
 from saguaro.models.llama import LlamaModel
-from saguaro.models.pairing import DraftPairing, IncompatibleDraftError, ResolvedModel, draft_embeddings
+from saguaro.models.checkpoint import draft_embeddings
+from saguaro.models.pairing import DraftPairing, IncompatibleDraftError, ResolvedModel
 from saguaro.models.prefix_cache import PrefixCache, new_prefix_cache
-from saguaro.speculation.local.drafters import Drafter, PromptLookupDrafter, model_drafter
+from saguaro.speculation.local.drafters import Drafter, sd_drafter
 from saguaro.speculation.local.proposer import DraftProposer
 from saguaro.speculation.policy.auto import AutoPolicy, SSDLauncher, auto_trees
 from saguaro.speculation.policy.planning import GeometricPlan, geometric_fan_out, uniform_fan_out
@@ -29,13 +31,6 @@ from saguaro.speculation.remote.client import DraftClient, WorkerConfig
 from saguaro.speculation.remote.pool import DraftPool
 from saguaro.speculation.remote.proposer import RemoteProposer
 from saguaro.system import CorePlacement, CoreShare, usable_cores
-
-
-def sd_drafter(draft: LlamaModel, spec: SpeculativeConfig, prefix_cache_mb: float = 0.0) -> Drafter:
-    """The draft model's drafter, behind prompt lookup when it is on."""
-    drafter = model_drafter(draft, spec.num_speculative_tokens, prefix_cache=new_prefix_cache(prefix_cache_mb),
-                            tree=spec.tree)
-    return PromptLookupDrafter(drafter.k, spec.prompt_lookup, drafter) if spec.prompt_lookup else drafter
 
 
 def fan_out_plan(spec: SpeculativeConfig) -> tuple[list[int], GeometricPlan | None]:
@@ -49,13 +44,14 @@ def fan_out_plan(spec: SpeculativeConfig) -> tuple[list[int], GeometricPlan | No
     return list(spec.fan_out), None
 
 
-def start_workers(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing, cpus: str | None,
-                  prefix_cache_mb: float = 0.0) -> DraftPool:
-    """New draft workers running `draft`: spec.num_draft_workers on this machine (pinned to
-    `cpus`), or one at each of spec.draft_address's comma-separated addresses. prefix_cache_mb:
-    each draft's prefix cache. A draft padded to other rows than the target's is fitted to the
-    tokenizer both share (draft.tokens)."""
-    fan_out, _ = fan_out_plan(spec)
+def ssd_proposer(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing, cpus: str | None,
+                 prefix_cache_mb: float = 0.0, placement: CorePlacement | None = None) -> RemoteProposer:
+    """SSD's proposer over new draft workers running `draft`: spec.num_draft_workers on this
+    machine (pinned to `cpus`), or one at each of spec.draft_address's comma-separated
+    addresses. prefix_cache_mb: each draft's prefix cache. A draft padded to other rows than the
+    target's is fitted to the tokenizer both share (draft.tokens). placement: the target's cores
+    while SSD runs and after it closes (None: the workers hold none of this machine's)."""
+    fan_out, plan = fan_out_plan(spec)
     vocabulary = None if draft.tokens is None else (target.config.vocab_size, draft.tokens)
     addresses = spec.draft_address.split(",") if spec.draft_address else [None] * spec.num_draft_workers
     configs = [WorkerConfig(DraftSpec(replace(spec, draft=str(draft.path), fan_out=fan_out, draft_address=address,
@@ -77,15 +73,7 @@ def start_workers(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairi
             raise failed[0]
         raise IncompatibleDraftError(f"the draft's vocabulary ({vocab.pop()} tokens) does not "
                                      f"match the target's ({target.config.vocab_size})")
-    return DraftPool(clients)
-
-
-def ssd_proposer(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing, cpus: str | None,
-                 prefix_cache_mb: float = 0.0, placement: CorePlacement | None = None) -> RemoteProposer:
-    """SSD's proposer over new draft workers (see start_workers). placement: the target's cores
-    while SSD runs and after it closes (None: the workers hold none of this machine's)."""
-    pool = start_workers(target, spec, draft, cpus, prefix_cache_mb)
-    return RemoteProposer(pool, spec.backup, fan_out_plan(spec)[1], target.config.vocab_size, placement)
+    return RemoteProposer(DraftPool(clients), spec.backup, plan, target.config.vocab_size, placement)
 
 
 def sd_policy(drafter: Drafter) -> FixedPolicy:
@@ -126,6 +114,7 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing,
         return None
     cpus = None if elsewhere else str(cores[-1])
     placement = CorePlacement(CoreShare.of(cpus))
+    branches = max(1, sum(fan_out_plan(spec)[0]))
 
     def start() -> Future[RemoteProposer]:
         future: Future[RemoteProposer] = Future()
@@ -145,7 +134,7 @@ def auto_ssd(target: LlamaModel, spec: SpeculativeConfig, draft: DraftPairing,
         threading.Thread(target=run, name="saguaro-auto-ssd", daemon=True).start()
         return future
 
-    return SSDLauncher(start, placement, max(1, sum(fan_out_plan(spec)[0])))
+    return SSDLauncher(start, placement, branches)
 
 
 def auto_profile_path(target: LlamaModel, spec: SpeculativeConfig, model: ResolvedModel) -> Path | None:
@@ -190,14 +179,14 @@ def make_policy(target: LlamaModel, spec: SpeculativeConfig, model: ResolvedMode
                          "use chains (tree_topk 1) with tensor_parallel_size > 1")
     if spec.method == "ssd":
         return ssd_policy(ssd_on_this_machine(target, spec, ssd_draft, prefix_cache_mb))
-    drafter = sd_drafter(draft, spec, prefix_cache_mb)
     if spec.method == "sd":
-        return sd_policy(drafter)
-    reads_features = drafter.reads_target_features  # no SSD or trees beside it: see make_decoder
-    return AutoPolicy(DraftProposer(drafter), None if reads_features else auto_ssd(target, spec, ssd_draft, prefix_cache_mb),
-                      auto_profile_path(target, spec, model) if keep_profile else None,
-                      [] if reads_features else auto_trees(spec.num_speculative_tokens, spec.tree_topk, spec.tree,
-                                                           target.device.type))
+        return sd_policy(sd_drafter(draft, spec, prefix_cache_mb))
+    reads_features = draft.reads_features  # no SSD or trees beside it: see make_decoder
+    profile = auto_profile_path(target, spec, model) if keep_profile else None
+    ssd = None if reads_features else auto_ssd(target, spec, ssd_draft, prefix_cache_mb)
+    trees = [] if reads_features else auto_trees(spec.num_speculative_tokens, spec.tree_topk, spec.tree,
+                                                 target.device.type)
+    return AutoPolicy(DraftProposer(sd_drafter(draft, spec, prefix_cache_mb)), ssd, profile, trees)
 
 
 def split_cores(draft_device: str, workers: int = 1) -> tuple[str | None, CorePlacement | None]:

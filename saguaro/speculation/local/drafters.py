@@ -14,15 +14,15 @@ from typing import Protocol
 
 import torch
 
-from saguaro.config import TreeShape
+from saguaro.config import SpeculativeConfig, TreeShape
 from saguaro.engine.processing import LogitsProcessor, process_rows
 from saguaro.engine.proposal import Proposal
 from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import MIN_TEMPERATURE, SamplingParams, WarpParams, sample, uniforms, warp
-from saguaro.engine.verify import point_masses
+from saguaro.engine.rejection import point_masses
 from saguaro.models.kv_cache import CacheRows, KVCache, ensure_cache
 from saguaro.models.llama import LlamaModel
-from saguaro.models.prefix_cache import PrefixCache
+from saguaro.models.prefix_cache import PrefixCache, new_prefix_cache
 from saguaro.speculation.local.lookup import lookups, ngram_guess
 
 # reshape(i, probs, logits) -> the distribution draft token i is really sampled from
@@ -535,3 +535,11 @@ class PromptLookupDrafter(Drafter):
 
     def release(self, seq_ids: list[int]) -> None:
         self.fallback.release(seq_ids)
+
+
+def sd_drafter(draft: LlamaModel, spec: SpeculativeConfig, prefix_cache_mb: float = 0.0) -> Drafter:
+    """The drafter SD runs in this process for `spec`: the draft model's, behind prompt lookup
+    when it is on."""
+    drafter = model_drafter(draft, spec.num_speculative_tokens, prefix_cache=new_prefix_cache(prefix_cache_mb),
+                            tree=spec.tree)
+    return PromptLookupDrafter(drafter.k, spec.prompt_lookup, drafter) if spec.prompt_lookup else drafter

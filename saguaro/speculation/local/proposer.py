@@ -1,6 +1,7 @@
 """SD's proposer: a drafter in the engine's own process (draft model, EAGLE, prompt lookup)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -36,9 +37,7 @@ class DraftProposer:
         start_s = time.perf_counter() - started
         if (k, tree) != (self.drafter.k, self.drafter.tree):
             self.drafter.set_num_tokens(k, tree)
-        proposal = self.drafter.propose(seqs)
-        proposal.start_s = start_s
-        return proposal
+        return dataclasses.replace(self.drafter.propose(seqs), start_s=start_s)
 
     def observe(self, record: RoundRecord) -> None:
         """The drafter forgets what the target rejected."""

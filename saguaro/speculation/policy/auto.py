@@ -252,6 +252,10 @@ class Controller:
         self.rounds_by_choice[choice] += 1
         return choice
 
+    def reset_stats(self) -> None:
+        """Forgets which choices it made (the benchmark tallies each group of runs apart)."""
+        self.rounds_by_choice.clear()
+
     def summary(self) -> dict:
         return {"auto_rounds_by_k": {str(c): n for c, n in self.rounds_by_choice.items()},
                 "auto_switches": self.switches, "auto_acceptance": [round(a, 3) for a in self.estimates.acceptance()],

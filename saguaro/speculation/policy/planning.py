@@ -148,10 +148,12 @@ class RowCosts:
     slowed its passes would otherwise keep auto off the choices it no longer runs, since a try
     is only made of a choice predicted close to the best."""
 
-    def __init__(self):
-        self.rows: list[int] = []
-        self.seconds: list[float] = []
-        self.warmed: set[int] = set()
+    def __init__(self, known: dict[int, float] | None = None):
+        """known: costs known already (see `of`), warm at every row count."""
+        known = known or {}
+        self.rows: list[int] = sorted(known)
+        self.seconds: list[float] = [known[r] for r in self.rows]
+        self.warmed: set[int] = set(self.rows)
         self.restored: set[int] = set()  # row counts whose cost an earlier process measured, not measured here yet
 
     def restore(self, rows: list[int], seconds: list[float]) -> None:
@@ -168,10 +170,7 @@ class RowCosts:
     @classmethod
     def of(cls, table: dict[int, float]) -> "RowCosts":
         """Costs known already (a profile's), warm at every row count."""
-        costs = cls()
-        costs.rows, costs.seconds = sorted(table), [table[r] for r in sorted(table)]
-        costs.warmed = set(costs.rows)
-        return costs
+        return cls(table)
 
     def add(self, rows: int, seconds: float) -> bool:
         """Counts a pass; True where it contradicted a restored cost (the restored ones are then dropped)."""

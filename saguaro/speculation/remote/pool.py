@@ -51,6 +51,17 @@ class Lane:
     def live(self) -> bool:
         return self.restart is None and self.client.alive
 
+    def restarting(self, restart: Future[DraftClient]) -> None:
+        """Its worker was lost; `restart` is starting in its place."""
+        self.restart = restart
+
+    def take_restarted(self) -> bool:
+        """Takes its new worker once that is up; whether it did."""
+        if self.restart is None or not self.restart.done():
+            return False
+        self.client, self.restart = self.restart.result(), None
+        return True
+
 
 class DraftPool:
     """One or several workers behind one interface (see the module docstring)."""
@@ -157,14 +168,13 @@ class DraftPool:
         self.losses += 1
         lane.client.abandon()
         if not self.ready.reads_features:
-            lane.restart = replace_worker(lane.client, self.fan_out)
+            lane.restarting(replace_worker(lane.client, self.fan_out))
 
     def _resume(self, lane: Lane) -> None:
         """A lane whose new worker is up gets its requests from their committed tokens (their
         next round is a first one: nothing is cached for them)."""
-        if lane.restart is None or not lane.restart.done():
+        if not lane.take_restarted():
             return
-        lane.client, lane.restart = lane.restart.result(), None
         self.restarts += 1
         mine = sorted(lane.seq_ids)
         if mine:

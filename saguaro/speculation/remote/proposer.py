@@ -20,7 +20,7 @@ from saguaro.config import TreeShape
 from saguaro.engine.proposal import Outcome, Proposal
 from saguaro.engine.round import CacheHits, RoundRecord, RowRecord
 from saguaro.engine.sequence import Sequence
-from saguaro.engine.verify import point_masses
+from saguaro.engine.rejection import point_masses
 from saguaro.models.llama import scatter_to_vocab
 from saguaro.speculation.local.drafters import FeatureLog
 from saguaro.speculation.policy.planning import GeometricPlan, SpeedModel, critical_batch_size
@@ -58,6 +58,36 @@ class SSDStats:
     miss_causes: Counter = field(default_factory=Counter)  # misses by RequestSpeculation.miss
     drafted_tokens: int = 0  # draft tokens the worker decoded (its tree and neural backups)
     committed_tokens: int = 0  # tokens SSD rounds committed
+
+    def add_round(self, previous: list[Outcome | None], spec: Speculation, rows: list[RowRecord], backup: Backup,
+                  wait_s: float, verify_s: float) -> None:
+        """One SSD round's figures: the worker's speculation, the rows' record, the backup it
+        used, the target's wait for the draft and its verification time. previous: each
+        request's outcome before this round (None: its first, which cannot hit)."""
+        if self.verify_s and spec.fill_time_s > 0:
+            self.fill_s.append(spec.fill_time_s)
+            self.t_p.append(spec.fill_time_s / self.verify_s[-1])
+            if spec.fill_time_s <= self.verify_s[-1]:  # the worker was waiting when the outcome came
+                self.exchange_s.append(max(0.0, wait_s - spec.backup_time_s))
+        self.answer_s.append(spec.backup_time_s)
+        self.verify_s.append(verify_s)
+        self.wait_s.append(wait_s)
+        self.shared_hits += sum(r.shared for r in spec.requests)
+        self.drafted_tokens += spec.drafted_tokens
+        self.committed_tokens += sum(row.accepted_len + 1 for row in rows)
+        if any(not r.hit and not r.lookup for r in spec.requests):
+            self.backup_s[backup].append(spec.backup_time_s)  # a lookup needs no backup
+        for before, request, row in zip(previous, spec.requests, rows):
+            if before is None or row.hit is None:
+                continue  # a request's first round cannot hit
+            self.cache.add(row)
+            if row.looked_up:
+                self.lookup_lengths.append(row.accepted_len + 1)
+            else:
+                (self.hit_lengths if row.hit else self.miss_lengths[backup]).append(row.accepted_len + 1)
+                self.recent_lengths.append(row.accepted_len + 1)
+                if not row.hit:
+                    self.miss_causes[request.miss] += 1
 
     def summary(self) -> dict:
         cache = self.cache
@@ -176,7 +206,7 @@ class RemoteProposer:
     def observe(self, record: RoundRecord) -> None:
         spec, backup, previous, wait_s = self._sent
         self._sent = None
-        self._record(previous, spec, record.rows, backup, wait_s, record.verify_s)
+        self.stats.add_round(previous, spec, record.rows, backup, wait_s, record.verify_s)
         for seq, outcome in zip(record.seqs, record.outcomes):
             self.outcomes[seq.seq_id] = outcome
         self._rounds += 1
@@ -224,34 +254,6 @@ class RemoteProposer:
         if self.draft_head_ids is None:
             return probs
         return scatter_to_vocab(probs, self.draft_head_ids, self.vocab_size)
-
-    def _record(self, previous: list[Outcome | None], spec: Speculation, rows: list[RowRecord], backup: Backup,
-                wait_s: float, verify_s: float) -> None:
-        stats = self.stats
-        if stats.verify_s and spec.fill_time_s > 0:
-            stats.fill_s.append(spec.fill_time_s)
-            stats.t_p.append(spec.fill_time_s / stats.verify_s[-1])
-            if spec.fill_time_s <= stats.verify_s[-1]:  # the worker was waiting when the outcome came
-                stats.exchange_s.append(max(0.0, wait_s - spec.backup_time_s))
-        stats.answer_s.append(spec.backup_time_s)
-        stats.verify_s.append(verify_s)
-        stats.wait_s.append(wait_s)
-        stats.shared_hits += sum(r.shared for r in spec.requests)
-        stats.drafted_tokens += spec.drafted_tokens
-        stats.committed_tokens += sum(row.accepted_len + 1 for row in rows)
-        if any(not r.hit and not r.lookup for r in spec.requests):
-            stats.backup_s[backup].append(spec.backup_time_s)  # a lookup needs no backup
-        for before, request, row in zip(previous, spec.requests, rows):
-            if before is None or row.hit is None:
-                continue  # a request's first round cannot hit
-            stats.cache.add(row)
-            if row.looked_up:
-                stats.lookup_lengths.append(row.accepted_len + 1)
-            else:
-                (stats.hit_lengths if row.hit else stats.miss_lengths[backup]).append(row.accepted_len + 1)
-                stats.recent_lengths.append(row.accepted_len + 1)
-                if not row.hit:
-                    stats.miss_causes[request.miss] += 1
 
     def speed_model(self) -> SpeedModel:
         """The measured quantities of Theorem 7, with prior guesses where nothing was measured

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -65,10 +66,9 @@ class DraftServer:
                                                  message.features)
             self.pending = message.seq_ids
             if top := self.speculator.proposal_top:
-                for request in requests:
-                    request.probs = None if request.probs is None else SparseProbs.of(request.probs, top)
-            drafted, self.speculator.drafted_tokens = self.speculator.drafted_tokens, 0
-            return Speculation(requests, self.fill_time, time.perf_counter() - start, drafted)
+                requests = [r if r.probs is None else replace(r, probs=SparseProbs.of(r.probs, top)) for r in requests]
+            return Speculation(requests, self.fill_time, time.perf_counter() - start,
+                               self.speculator.take_drafted_tokens())
         elif isinstance(message, Release):
             self.speculator.release(message.seq_ids)
         return None

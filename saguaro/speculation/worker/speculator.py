@@ -42,6 +42,19 @@ class DraftSequence:
     # ([K, hidden]; None after the fast backup or a lookup).
     spec_features: torch.Tensor | None = None
 
+    def commit(self, accepted_len: int, bonus: int) -> None:
+        """The target's outcome: the first accepted_len tokens of its speculation and the bonus
+        are committed (its grammar advanced over them)."""
+        tokens = self.spec[:accepted_len] + [bonus]
+        self.token_ids += tokens
+        if self.processor is not None:
+            for token in tokens:
+                self.processor.commit(token)
+
+    def speculate(self, tokens: list[int], features: torch.Tensor | None = None) -> None:
+        """Its next speculation, and for an EAGLE draft the features its tokens were drawn from."""
+        self.spec, self.spec_features = tokens, features
+
 
 def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, top: int, c: float) -> torch.Tensor:
     """Saguaro sampling (Definition 14): the mass of the `top` most likely tokens is scaled by
@@ -123,13 +136,18 @@ class Speculator:
             # independent of the target's stream, and of earlier incarnations' streams
             seed = (p.seed if p.seed is not None else sid) * 2654435761 + 1 + self.incarnation * 0x9E3779B97F4A7C15
             gen = torch.Generator().manual_seed(seed % (2 ** 63))
-            seq = self.seqs[sid] = DraftSequence(sid, list(ids), p, gen, len(ids) - 1)
-            if processing is not None and processing[i] is not None:
-                seq.prompt_len = processing[i].prompt_len
-                seq.processor = self._processor(p, processing[i], ids[seq.prompt_len:])
+            wanted = processing[i] if processing is not None else None
+            prompt_len = len(ids) - 1 if wanted is None else wanted.prompt_len
+            processor = None if wanted is None else self._processor(p, wanted, ids[prompt_len:])
+            seq = self.seqs[sid] = DraftSequence(sid, list(ids), p, gen, prompt_len, processor)
             new.append(seq)
         self._keep_features(seq_ids, features)
         self.drafter.prefill(new)
+
+    def take_drafted_tokens(self) -> int:
+        """The draft tokens decoded since the last call (the target's metrics count them)."""
+        drafted, self.drafted_tokens = self.drafted_tokens, 0
+        return drafted
 
     def _processor(self, params: SamplingParams, processing: DraftProcessing, output: list[int]) -> LogitsProcessor:
         """The request's processing, its grammar past the output the target committed."""
@@ -175,39 +193,37 @@ class Speculator:
             if outcome is not None:
                 accepted_len, bonus = outcome
                 committed = len(seq.token_ids)
-                seq.token_ids += seq.spec[:accepted_len] + [bonus]
-                if seq.processor is not None:
-                    for token in seq.spec[:accepted_len] + [bonus]:
-                        seq.processor.commit(token)
+                seq.commit(accepted_len, bonus)
                 self.drafter.rollback([seq.seq_id], [committed + accepted_len])
             if branch is not None:
-                seq.spec, probs[i] = branch.tokens, branch.probs
-                if branch.features is not None:
-                    seq.spec_features = branch.features
+                probs[i] = branch.probs
+                seq.speculate(branch.tokens, seq.spec_features if branch.features is None else branch.features)
             hits.append(branch is not None)
         shared = [False] * len(seqs)
         for i, (seq, outcome) in enumerate(zip(seqs, outcomes)):
             if self.share_window and not hits[i] and outcome is not None:
                 branch = self.cache.take_shared(tuple(seq.token_ids[-self.share_window:]))
                 if branch is not None:
-                    seq.spec, probs[i] = branch.tokens, branch.probs
+                    probs[i] = branch.probs
+                    seq.speculate(branch.tokens, seq.spec_features)
                     hits[i] = shared[i] = True
         self.cache.end_round()
         looked = self.lookup.find(seqs) if self.lookup is not None else {}
         for i, guess in looked.items():
-            seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
+            seqs[i].speculate(guess)
+            probs[i] = None
         missed = [i for i, hit in enumerate(hits) if not hit and i not in looked]
         if missed and backup == Backup.NEURAL:
             drafts = self.drafter.draft([seqs[i] for i in missed])
             self.drafted_tokens += drafts.tokens.numel()
             for j, i in enumerate(missed):
-                seqs[i].spec = drafts.tokens[j].tolist()
-                seqs[i].spec_features = None if drafts.hidden is None else drafts.hidden[j]
+                seqs[i].speculate(drafts.tokens[j].tolist(), None if drafts.hidden is None else drafts.hidden[j])
                 probs[i] = None if drafts.probs is None or seqs[i].params.greedy else drafts.probs[j].clone()
         elif missed:
             guesses = self.fast_backup.propose([seqs[i] for i in missed]).tokens.tolist()
             for i, guess in zip(missed, guesses):
-                seqs[i].spec, seqs[i].spec_features, probs[i] = guess, None, None
+                seqs[i].speculate(guess)
+                probs[i] = None
         return [RequestSpeculation(seq.spec, probs[i], None if outcome is None else hits[i], i in looked, shared[i],
                                    causes[i]) for i, (seq, outcome) in enumerate(zip(seqs, outcomes))]
 

@@ -1,4 +1,5 @@
-"""Exact verification of drafted tokens (speculative-decoding rejection sampling)."""
+"""The rejection-sampling rule of speculative decoding: which drafted tokens are accepted and
+the bonus token, so that the committed tokens are distributed as the target's own samples."""
 from __future__ import annotations
 
 import torch
