@@ -16,9 +16,11 @@ from saguaro.models.quantized import (FileBlocks, GroupCodes, GroupInt4, GroupIn
 
 def fuse_hf_state(config: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Maps Hugging Face parameter names onto LlamaModel's fused qkv and gate/up projections
-    (Phi-3's come fused)."""
+    (Phi-3's come fused). Takes the tensors out of hf_state, so that each fused part is freed
+    once fused (a 2-billion-weight twin in bf16 peaked at 11 GB when they were kept)."""
     state = {}
-    for name, value in hf_state.items():
+    while hf_state:
+        name, value = hf_state.popitem()
         name = name.removeprefix("model.")
         if ".rotary_emb." in name:
             continue
@@ -70,7 +72,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCod
                 device: str | torch.device, quantization: str | None = None) -> LlamaModel:
     """The model; `quantization` (saguaro.models.quantized.MODES) says which decoder projections
     run quantized. The embeddings stay in `dtype`, and so does the head, except that "auto" keeps
-    a Q8_0 head's codes where saguaro's kernels run."""
+    a Q8_0 head's codes where saguaro's kernels run. hf_state is emptied (fuse_hf_state)."""
     mode = check_mode(quantization, dtype, torch.device(device))
     state = fuse_hf_state(config, hf_state)
     quantized = {}
@@ -85,8 +87,11 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor | GroupCod
             quantized[module] = layer
             del state[name]
             state.pop(f"{module}.bias", None)
-    state = {k: plain_weights(v, dtype) for k, v in state.items()}
-    return assemble(config, state, quantized, mode, device)
+    plain = {}
+    while state:
+        name, value = state.popitem()
+        plain[name] = plain_weights(value, dtype)
+    return assemble(config, plain, quantized, mode, device)
 
 
 def assemble(config: ModelConfig, state: dict[str, torch.Tensor], modules: dict[str, torch.nn.Module] | None = None,

@@ -67,7 +67,7 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     """Replaces every nn.Linear of a frozen CPU model by a PackedLinear (in place)."""
     if not can_pack(device, dtype):
         return model
-    for name, child in list(model.named_modules()):
-        if isinstance(child, nn.Linear):
-            model.set_submodule(name, PackedLinear(child))
+    linears = [name for name, child in model.named_modules() if isinstance(child, nn.Linear)]
+    for name in linears:  # by name: each replaced layer's weight is freed before the next is packed
+        model.set_submodule(name, PackedLinear(model.get_submodule(name)))
     return model
