@@ -219,10 +219,10 @@ def test_a_round_whose_thread_did_not_run_throughout_is_marked_waited(target, mo
     target (a spinning Python thread beside the engine, as a busy server's HTTP thread, made
     rounds take 12 ms of wall time where their thread ran 3). The thread's clock stands still
     here (all waiting); control: it runs with the wall clock (no waiting)."""
-    import saguaro.engine.round as round_module
+    import saguaro.engine.decoder as decoder_module
 
     def marks(thread_time) -> list[bool]:
-        monkeypatch.setattr(round_module, "time", types.SimpleNamespace(perf_counter=time.perf_counter,
+        monkeypatch.setattr(decoder_module, "time", types.SimpleNamespace(perf_counter=time.perf_counter,
                                                                         thread_time=thread_time))
         decoder = build.ar_decoder(target)
         seqs = [Sequence(0, [3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), [])]

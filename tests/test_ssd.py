@@ -752,13 +752,14 @@ SLOW_ROWS = 400  # a batch whose fills take the worker longer than the timeout b
 def test_a_worker_slower_than_its_timeout_is_kept_while_it_runs(tiny_target, tiny_draft_dir, seen_running,
                                                                  monkeypatch):
     """On a loaded machine a worker may get little of a core for a second or more, past a
-    timeout fitted to its quiet rounds. Here every answer takes longer than a 0.1 s timeout: a
+    timeout fitted to its quiet rounds. Here every answer takes longer than a 0.03 s timeout
+    (three ticks of the CPU clock /proc counts in, so a running worker's time visibly grows): a
     worker seen running meanwhile (its CPU time grows) is kept; one seen not running (control:
     its CPU time read as constant, as a stopped or deadlocked worker's is) is lost."""
     if not seen_running:
         monkeypatch.setattr(remote_client, "cpu_seconds", lambda pid: 1.0)
     client = DraftClient(worker_config(str(tiny_draft_dir), "float32", 2, [7, 7, 7], timeout_s=30), None)
-    monkeypatch.setattr(client, "timeout_s", lambda: 0.1)
+    monkeypatch.setattr(client, "timeout_s", lambda: 0.03)
     decoder = ssd_decoder(tiny_target, client, "neural")
     seqs = [Sequence(i, PROMPT + [i % TINY_V], SamplingParams(temperature=1.0, max_tokens=6, seed=i), [])
             for i in range(SLOW_ROWS)]
