@@ -11,9 +11,10 @@ against its schema (jsonschema).
 At batch 1 a group is one request and its rate is its decode tokens/s. At batch B a group is
 QUEUE x B requests that the engine runs B at a time (max_num_seqs = B), a finished one's place
 taken by the next, as a server under steady load runs them; its rate is output tokens over the
-call's wall time. (B requests started together and run to their ends would measure how their
-lengths differ: constrained requests end when their JSON does, unconstrained ones run to
-max_tokens, and the batch runs part-empty meanwhile.)
+call's wall time. Each unconstrained request is cut at its constrained twin's length: the
+same tokens to decode, the same prefills between them (constrained requests end when their JSON
+does, unconstrained ones would run to max_tokens, and a batch of B started together would run
+part-empty meanwhile).
 
 The peer: llama.cpp (llama-cpp-python) on the same GGUF file, prompts and schemas, greedy, its
 own grammar from each schema (`LlamaGrammar.from_json_schema`), one request at a time (batch 1
@@ -117,15 +118,20 @@ def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: 
     grammar_share, forced, jumped, tokens, valid, ended = [], 0, 0, 0, 0, 0
     for group in range(args.groups + 1):  # the first group warms up, uncounted
         picked = requests(group, batch if batch == 1 else QUEUE * batch)
+        lengths = [args.max_tokens] * len(picked)
         for mode in ("json_schema", "unconstrained"):
-            params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=group,
+            # the free requests as long as their constrained twins: the same tokens to decode and
+            # prefills between them, whose share would otherwise favour the longer free outputs
+            params = [SamplingParams(temperature=args.temperature, max_tokens=length, seed=group,
                                      structured_outputs=StructuredOutputs(json=schema) if mode == "json_schema"
-                                     else None) for _, schema in picked]
+                                     else None) for (_, schema), length in zip(picked, lengths)]
             clock.seconds = 0.0
             jumped_before = llm.metrics().get("spec_decode_num_forced_tokens", 0)
             started = time.perf_counter()
             outputs = llm.generate([prompt for prompt, _ in picked], params, use_tqdm=False)
             decode_s = time.perf_counter() - started - (outputs[0].metrics.ttft_s if batch == 1 else 0.0)
+            if mode == "json_schema":
+                lengths = [len(o.token_ids) for o in outputs]
             if group == 0:
                 continue
             rates[mode].append(sum(len(o.token_ids) - 1 for o in outputs) / decode_s)
