@@ -253,6 +253,16 @@ def test_token_masks_set_minus_infinity_exactly_at_the_illegal_tokens(width, ker
     assert torch.equal(masked, expected)
 
 
+@pytest.mark.skipif(not bindings.available(), reason="needs saguaro's kernels")
+def test_the_mask_kernel_refuses_masks_that_do_not_fit_the_logits():
+    """The kernel writes in place and reads a mask row per logit row: fewer rows is refused."""
+    logits = torch.zeros(3, 64)
+    with pytest.raises(ValueError, match="one int32 mask row"):
+        bindings.mask_logits(logits, numpy.zeros((2, 2), dtype=numpy.int32), numpy.zeros(3, dtype=bool))
+    bindings.mask_logits(logits, numpy.zeros((3, 2), dtype=numpy.int32), numpy.zeros(3, dtype=bool))  # control
+    assert bool(torch.isinf(logits).all())
+
+
 @pytest.mark.skipif(bindings.build() != "avx512", reason="needs saguaro's AVX-512 kernels, to run their AVX2 build beside")
 def test_the_avx2_kernel_masks_as_the_avx512_one_does():
     """token_mask.c's AVX2 build (scalar stores) passes the same test as the AVX-512 build."""

@@ -138,5 +138,10 @@ def mask_logits(logits: torch.Tensor, bits: numpy.ndarray, skip: numpy.ndarray) 
     bits [T, words] int32 (a grammar's masks), skip [T] bool (rows left alone)."""
     bits = numpy.ascontiguousarray(bits)
     skip = numpy.ascontiguousarray(skip, dtype=numpy.uint8)
+    # the kernel reads as many mask rows as there are logit rows, in place: a mismatch would read past them
+    if logits.dtype != torch.float32 or not logits.is_contiguous() or logits.device.type != "cpu" \
+            or bits.dtype != numpy.int32 or bits.ndim != 2 or len(bits) != len(logits) or len(skip) != len(logits):
+        raise ValueError(f"mask_logits: logits [{tuple(logits.shape)}] {logits.dtype}, bits {bits.shape} {bits.dtype}, "
+                         f"skip {skip.shape}: want contiguous fp32 CPU logits and one int32 mask row and skip byte a row")
     library().saguaro_mask_logits(logits.data_ptr(), logits.shape[0], logits.shape[1], bits.ctypes.data,
                                   bits.shape[1], skip.ctypes.data)
