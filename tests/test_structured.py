@@ -32,6 +32,7 @@ from saguaro.engine.processing import LogitsProcessor, chain_contexts
 from saguaro.engine.runner import forward_chunks
 from saguaro.engine.sampler import sample
 from saguaro.engine.sequence import Sequence
+from saguaro.engine import round as round_module
 from saguaro.engine.round import jump_width
 from saguaro.engine.rejection import verify
 from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, TokenMasks, grammar_tokenizer
@@ -437,6 +438,28 @@ def test_greedy_methods_equal_ar_on_real_prompts(llm, real_prompts, method):
             assert got == expected, f"{method} differs from AR under {name}"
     finally:
         spec.close()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_ar_jump_forward_equals_one_token_a_round_on_the_kernels(real_prompts, monkeypatch, broken):
+    """AR's batched jump-forward on saguaro's kernels (each row's forced run beside the others'
+    single tokens in one pass without padding, logits after each run only) commits what AR does
+    one token a round, on the default model under a JSON schema. The control takes the logits
+    at each chunk's first token instead of after its run."""
+    jumping = LLM(hub.DEFAULT_MODEL, method="ar", max_num_seqs=len(real_prompts))
+    try:
+        assert jumping.target.native_layers is not None
+        params = SamplingParams(temperature=0, max_tokens=40, **REAL_CASES["json_schema"])
+        monkeypatch.setattr(round_module, "JUMP_FORWARD", 0)
+        expected = [o.token_ids for o in jumping.generate(real_prompts, params, use_tqdm=False)]
+        monkeypatch.undo()
+        if broken:
+            monkeypatch.setattr(verification, "last_hidden", lambda hidden, chunks: hidden[:, 0])
+        got = [o.token_ids for o in jumping.generate(real_prompts, params, use_tqdm=False)]
+        assert jumping.engine.decoder.counters.num_forced_tokens > len(real_prompts)
+        assert (got == expected) != broken
+    finally:
+        jumping.close()
 
 
 # --- log-probabilities ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import time
 
 from saguaro.engine.round import (WAITED, CacheHits, FixedPolicy, Policy, Proposer, RoundRecord, SpecDecodeCounters,
                                   forced_proposal)
+from saguaro.engine.runner import pads_chunks
 from saguaro.engine.sequence import Sequence
 from saguaro.engine.verifier import Verifier
 
@@ -28,6 +29,7 @@ class Decoder:
         self.counters = SpecDecodeCounters()
         # a GPU pass's thread may sleep on the device, so only a CPU target's rounds are judged waited
         self.on_cpu = verifier.target.device.type == "cpu"
+        self.pads = pads_chunks(verifier.target)
 
     @property
     def num_speculative_tokens(self) -> int | None:
@@ -68,10 +70,10 @@ class Decoder:
             self.reserved.append(proposer)
         lengths_before = [len(s) for s in seqs]
         started, started_cpu = time.perf_counter(), time.thread_time()
-        proposal = proposer.propose(seqs, choice.k, choice.tree) if proposer is not None else forced_proposal(seqs)
+        proposal = proposer.propose(seqs, choice.k, choice.tree) if proposer is not None else forced_proposal(seqs, self.pads)
         proposed = time.perf_counter()
-        if proposal is None:
-            outcomes, hidden = self.verifier.decode(seqs)
+        if proposer is None or proposal is None:  # AR, over the tokens its grammar forces where it does
+            outcomes, hidden = self.verifier.decode(seqs, proposal and proposal.rows())
         else:
             outcomes, hidden = self.verifier.verify(seqs, proposal)
         verified = time.perf_counter()

@@ -29,3 +29,8 @@ class Proposal:
     # each sequence's draft positions (a chain's) whose token the grammar forced, proposed
     # without a draft step (jump-forward); None: none
     forced: list[list[int]] | None = None
+
+    def rows(self) -> list[list[int]]:
+        """Each sequence's proposed tokens: its chain, or its tree's nodes in order."""
+        tokens = self.tokens.tolist()
+        return tokens if self.parents is None else [row[:len(p)] for row, p in zip(tokens, self.parents)]

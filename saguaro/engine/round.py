@@ -235,15 +235,16 @@ class FixedPolicy:
             proposer.close()
 
 
-def forced_proposal(seqs: list[Sequence]) -> Proposal | None:
+def forced_proposal(seqs: list[Sequence], padded: bool = True) -> Proposal | None:
     """Jump-forward in a round without a draft: the tokens each sequence's grammar forces next
     (each the only legal token where it stands: probability 1 under the constrained target),
-    proposed as chains that verification accepts and commits with the target's token after
-    them, in one pass. None when no grammar forces anything. A run stops at max_tokens, so it
-    stays within the KV slots reserved for the sequence."""
+    committed with the target's token after them in one pass (Verifier.decode). None when no
+    grammar forces anything. A run stops at max_tokens, so it stays within the KV slots reserved
+    for the sequence; a request that wants log-probabilities has none (they need the logits at
+    each position). padded: the pass computes every row to the widest run (jump_width)."""
     runs = [s.processor.forced(min(JUMP_FORWARD, s.params.max_tokens - len(s.output_ids)))
-            if s.processor is not None else [] for s in seqs]
-    width = jump_width([len(r) for r in runs])
+            if s.processor is not None and s.params.logprobs is None else [] for s in seqs]
+    width = jump_width([len(r) for r in runs]) if padded else max(len(r) for r in runs)
     if width == 0:
         return None
     runs = [r[:width] for r in runs]

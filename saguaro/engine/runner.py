@@ -55,12 +55,18 @@ def forward_chunks(model: LlamaModel, cache: KVCache, rows: list[int], chunks: l
         for i, f in enumerate(features):
             padded[i, :len(f)] = f
         return run_pass(model, cache, rows, tokens, positions, slots, mask, padded)
-    if sum(lengths) < RAGGED_BELOW * B * T and model.native_layers is not None:
+    if sum(lengths) < RAGGED_BELOW * B * T and not pads_chunks(model):
         return ragged_pass(model, cache, rows, lengths, tokens, positions, slots, mask)
     return run_pass(model, cache, rows, tokens, positions, slots, mask)
 
 
 RAGGED_BELOW = 0.9  # a pass whose chunks' tokens fill less of its B x T positions runs them without padding
+
+
+def pads_chunks(model: LlamaModel) -> bool:
+    """Whether a pass over chunks of different lengths computes their padding: everywhere but
+    on saguaro's kernels (ragged_pass)."""
+    return model.native_layers is None
 
 
 def ragged_pass(model: LlamaModel, cache: KVCache, rows: list[int], lengths: list[int], tokens: torch.Tensor,

@@ -267,6 +267,8 @@ class GrammarMatcher:
         constrained target; up to limit and short of a stop token. Nothing after a context the
         grammar forbids (verification rejects it first). The matcher ends where it began."""
         context = list(context)
+        if limit <= 0:
+            return []
         if context and self.matcher.validate_tokens(context) < len(context):
             return []
         if context:
@@ -285,8 +287,8 @@ class GrammarMatcher:
 
 def single_token(mask: numpy.ndarray) -> int | None:
     """The one legal token of a mask (int32 words) where only one is, else None."""
-    words = numpy.flatnonzero(mask)
-    if len(words) != 1:
+    if numpy.count_nonzero(mask) != 1:  # a tenth of flatnonzero's time, and most masks allow many
         return None
+    words = numpy.flatnonzero(mask)
     word = int(mask[words[0]]) & 0xFFFFFFFF
     return None if word & (word - 1) else int(words[0]) * 32 + word.bit_length() - 1
