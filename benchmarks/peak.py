@@ -147,7 +147,7 @@ def product_shares(libraries: dict[str, ctypes.CDLL], kinds: list[str], rows: li
                     start = clock(args.threads)
                     for copy in copies:
                         lib.saguaro_group_matmul(bits, copy.data_ptr(), x.data_ptr(), out.data_ptr(), count,
-                                                 in_features, out_features, 0, args.threads)
+                                                 in_features, out_features, 0, args.threads, None, 0)
                     seconds[label].append(clock(args.threads) - start)
             macs = len(copies) * count * out_features * in_features
             print(f"| {kind} | {count} | " + " | ".join(
@@ -206,7 +206,8 @@ class Model:
             self.values.data_ptr(), self.keys[0].numel(), self.context + 16, rows.data_ptr(), slots.data_ptr(),
             mask.data_ptr(), span, self.kept[0].data_ptr(), None, None, None, threads)
         status = status or lib.saguaro_group_matmul(self.head_bits, self.head.data_ptr(), x.data_ptr(),
-                                                    logits.data_ptr(), tokens, s.hidden, s.vocab, 1, threads)
+                                                    logits.data_ptr(), tokens, s.hidden, s.vocab, 1, threads,
+                                                    None, 0)
         if status:
             raise RuntimeError(f"the kernels failed ({status})")
         return clock(threads) - start
@@ -254,7 +255,7 @@ def product_costs(libraries: dict[str, ctypes.CDLL], model: Model, peaks: dict[s
                     start = clock(args.threads)
                     for tiles, out_features, in_features, kind, fp32 in parts:
                         lib.saguaro_group_matmul(kind, tiles.data_ptr(), x.data_ptr(), out.data_ptr(), n, in_features,
-                                                 out_features, fp32, args.threads)
+                                                 out_features, fp32, args.threads, None, 0)
                     seconds[label].append(clock(args.threads) - start)
             macs = n * sum(out_features * in_features for _, out_features, in_features, _, _ in parts)
             print(f"| {name} | {n} | " + " | ".join(

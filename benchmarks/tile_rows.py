@@ -44,7 +44,8 @@ def load(folder: Path) -> ctypes.CDLL:
     build, flags = next((name, flags) for name, flags in compiler.BUILDS if name == bindings.build())
     lib = ctypes.CDLL(str(compiler.library_path(build, flags, folder)))
     lib.saguaro_group_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                         ctypes.c_void_p, ctypes.c_int64]
     return lib
 
 
@@ -114,7 +115,7 @@ def main() -> None:
                     start = time.perf_counter()
                     for copy in copies[page]:
                         lib.saguaro_group_matmul(bits, copy.data_ptr(), x.data_ptr(), out.data_ptr(), rows,
-                                                 in_features, out_features, 0, args.threads)
+                                                 in_features, out_features, 0, args.threads, None, 0)
                     seconds[label].append(time.perf_counter() - start)
             gigabytes = count * tiles.numel() / 1e9
             rates = [f"{gigabytes / statistics.median(seconds[label]):.1f}" for label in libraries]

@@ -120,6 +120,41 @@ def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(bits):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("bits", [8, 4, packing.K6])
+def test_a_head_under_masks_writes_its_products_at_the_legal_outputs_and_minus_infinity_elsewhere(bits):
+    """A head with a grammar's masks (LlamaModel.logits, legal): each legal output is the plain
+    product's bit for bit, every other -inf, over rows of few, most, all and no legal outputs,
+    one or two threads, blocks of rows past eight, and a mask narrower than the outputs
+    (past it: none legal). Tile columns that no row of a block allows are skipped. Control: a
+    mask applied to the wrong half of its word."""
+    tiles = record_tiles(gguf.GGMLQuantizationType.Q6_K, 960, 768) if bits == packing.K6 \
+        else pack(bits, *random_weights(960, 768, bits))
+    rng = np.random.default_rng(0)
+    x = torch.randn(19, 768).bfloat16()
+    words = 29  # 928 outputs: the last two tile columns have no mask bits
+    shares = [0.002, 0.3, 0.97, 1.0, 0.0] * 4
+    allowed = np.stack([rng.random(words * 32) < share for share in shares[:len(x)]])
+    allowed[:, 16 * 7:16 * 9] = False  # two tile columns no row allows
+    legal = (allowed.reshape(len(x), words, 32) << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32).view(np.int32)
+    plain = bindings.group_matmul(bits, tiles, x, 960, torch.float32)
+    expected = plain.masked_fill(~torch.from_numpy(np.pad(allowed, ((0, 0), (0, 960 - words * 32)))), float("-inf"))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (1, 5, 8, 19):
+                got = bindings.group_matmul(bits, tiles, x[:rows], 960, torch.float32, legal[:rows])
+                assert torch.equal(got, expected[:rows]), f"{rows} rows, {count} threads"
+    finally:
+        torch.set_num_threads(threads)
+    swapped = ((legal.view(np.uint32) >> 16) | (legal.view(np.uint32) << 16)).view(np.int32)
+    assert not torch.equal(bindings.group_matmul(bits, tiles, x, 960, torch.float32, swapped), expected)
+    with pytest.raises(ValueError, match="one int32 mask row a row"):
+        bindings.group_matmul(bits, tiles, x, 960, torch.float32, legal[:3])
+    with pytest.raises(ValueError, match="fp32 out"):
+        bindings.group_matmul(bits, tiles, x, 960, torch.bfloat16, legal)
+
+
 @pytest.mark.parametrize("kind", [gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K,
                                   gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
                                   gguf.GGMLQuantizationType.Q6_K], ids=lambda kind: kind.name)

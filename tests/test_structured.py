@@ -38,6 +38,7 @@ from saguaro.engine.rejection import verify
 from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, TokenMasks, grammar_tokenizer
 from saguaro.models import hub
 from saguaro.models.kv_cache import new_cache
+from saguaro.models.llama import LlamaModel
 from saguaro.models.native import bindings
 from saguaro.models.tokenizer import FolderTokenizer
 from saguaro.server.tools import required_calls_schema
@@ -323,8 +324,8 @@ def test_check_catches_a_verifier_comparing_against_the_unprocessed_target(targe
                                                                           monkeypatch):
     """Verification forgets the processing (prefill and AR rounds keep it): draws the grammar
     forbids get committed, or the distribution is off."""
-    def unprocessed(logits, seqs, contexts):
-        return logits if logits.shape[1] > 1 else original(logits, seqs, contexts)
+    def unprocessed(logits, seqs, contexts, masked=False):
+        return logits if logits.shape[1] > 1 else original(logits, seqs, contexts, masked)
     original = verification.processed
     monkeypatch.setattr(verification, "processed", unprocessed)
     params = params_of(0.8, ROWS, pattern=None, **PENALTIES)
@@ -460,6 +461,35 @@ def test_ar_jump_forward_equals_one_token_a_round_on_the_kernels(real_prompts, m
         assert (got == expected) != broken
     finally:
         jumping.close()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_masks_in_the_head_give_what_masks_after_it_give(real_prompts, monkeypatch, method, broken):
+    """On the default model the grammar's masks go into the head's product (LlamaModel.logits,
+    legal): greedy outputs under a JSON schema with penalties and a bias equal those with the
+    masks applied after the head. The control builds each position's mask after the committed
+    text alone, forgetting the forced run or drafts before it."""
+    spec = LLM(hub.DEFAULT_MODEL, method=method, max_num_seqs=len(real_prompts))
+    try:
+        assert spec.target.masks_in_head
+        params = SamplingParams(temperature=0, max_tokens=40, **REAL_CASES["json_schema"],
+                                presence_penalty=0.5, logit_bias={330: 2.0})
+        monkeypatch.setattr(LlamaModel, "masks_in_head", False)
+        expected = [o.token_ids for o in spec.generate(real_prompts, params, use_tqdm=False)]
+        monkeypatch.undo()
+        if broken:
+            head_masks = verification.head_masks
+            monkeypatch.setattr(verification, "head_masks", lambda processors, contexts, positions, vocab_size:
+                                head_masks(processors, [[[]] * len(c) for c in contexts], positions, vocab_size))
+        try:
+            got = [o.token_ids for o in spec.generate(real_prompts, params, use_tqdm=False)]
+        except RuntimeError as error:  # a token its grammar forbids, committed
+            assert broken and "breaks its grammar" in str(error)
+            return
+        assert (got == expected) != broken
+    finally:
+        spec.close()
 
 
 # --- log-probabilities ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ the grammar's mask.
 """
 from __future__ import annotations
 
+import numpy
 import torch
 
 from saguaro.engine.sampler import SamplingParams
@@ -49,10 +50,12 @@ class LogitsProcessor:
         return out
 
     def process_(self, logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
-                 contexts: list[list[int]]) -> None:
+                 contexts: list[list[int]], masked: bool = False) -> None:
         """`process` in place on contiguous fp32 logits [T, V]. Each step indexes only what it
         changes (the biased tokens, the tokens seen, the stop tokens, the grammar's minority of
-        legal or illegal tokens): nothing vocabulary-wide is built per call."""
+        legal or illegal tokens): nothing vocabulary-wide is built per call. masked: the
+        grammar's masks are in the logits already (`head_masks`); the steps before it keep -inf
+        where it is, so applying it first changes nothing."""
         p = self.params
         short = [j for j, context in enumerate(contexts) if len(output_ids) + len(context) < p.min_tokens]
         # min_tokens against a grammar that allows only a stop token: the grammar wins (over the raw logits)
@@ -67,12 +70,14 @@ class LogitsProcessor:
             stop = torch.tensor([t for t in self.stop_ids if t < logits.shape[1]], device=logits.device)
             logits[torch.tensor(short, device=logits.device)[:, None], stop[None]] = float("-inf")
         if self.grammar is not None:
-            masks = self.grammar.masks(contexts)
-            masks.apply_(logits)
+            masks = None if masked else self.grammar.masks(contexts)
+            if masks is not None:
+                masks.apply_(logits)
             if raw is not None:
                 dead = ~torch.isfinite(logits).any(-1)
                 if dead.any():
-                    masks.apply_(raw)
+                    if masks is not None:
+                        masks.apply_(raw)
                     logits[dead] = raw[dead]
 
     def _penalize(self, logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
@@ -133,15 +138,36 @@ def tree_contexts(tokens: list[int], parents: list[int]) -> list[list[int]]:
 
 
 def process_rows(logits: torch.Tensor, processors: list[LogitsProcessor | None], prompts: list[list[int]],
-                 outputs: list[list[int]], contexts: list[list[list[int]]]) -> torch.Tensor:
+                 outputs: list[list[int]], contexts: list[list[list[int]]], masked: bool = False) -> torch.Tensor:
     """Each row's processing over a batch: logits [B, T, V] (row i's first len(contexts[i])
     positions are its own), processed in place where they are fp32 (a caller that still needs
     the raw logits passes a copy). Rows without a processor are left as they are, and a batch
-    without any costs nothing."""
+    without any costs nothing. masked: the grammars' masks are in the logits (`head_masks`)."""
     if all(p is None for p in processors):
         return logits
     out = logits.float()
     for i, processor in enumerate(processors):
         if processor is not None:
-            processor.process_(out[i, :len(contexts[i])], prompts[i], outputs[i], contexts[i])
+            processor.process_(out[i, :len(contexts[i])], prompts[i], outputs[i], contexts[i], masked)
     return out
+
+
+def head_masks(processors: list[LogitsProcessor | None], contexts: list[list[list[int]]], positions: int,
+               vocab_size: int) -> numpy.ndarray | None:
+    """The grammars' masks of a batch's positions as a model's head takes them
+    (LlamaModel.logits, legal): [B * positions, words] int32, row i * positions + j the mask
+    after sequence i's text and contexts[i][j], every token legal where a sequence has no
+    grammar, at a position no context reaches, or one verification cannot reach (after a
+    token the grammar forbids). None when no sequence has a grammar."""
+    grammars = [p.grammar if p is not None else None for p in processors]
+    if all(g is None for g in grammars):
+        return None
+    words = max([(vocab_size + 31) // 32] + [g.words for g in grammars if g is not None])
+    legal = numpy.full((len(processors), positions, words), -1, dtype=numpy.int32)
+    for i, grammar in enumerate(grammars):
+        if grammar is not None:
+            masks = grammar.masks(contexts[i])
+            legal[i, :len(contexts[i]), grammar.words:] = 0  # past the grammar's vocabulary: illegal
+            legal[i, :len(contexts[i]), :grammar.words] = masks.bits
+            legal[i, masks.unreachable] = -1
+    return legal.reshape(-1, words)

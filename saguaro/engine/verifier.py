@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from saguaro.engine.logprobs import token_logprobs
-from saguaro.engine.processing import chain_contexts, process_rows, tree_contexts
+from saguaro.engine.processing import chain_contexts, head_masks, process_rows, tree_contexts
 from saguaro.engine.proposal import Outcome, Proposal
 from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import WarpParams, sample, uniforms, warp
@@ -17,16 +17,36 @@ from saguaro.models.llama import LlamaModel
 from saguaro.models.prefix_cache import PrefixCache
 
 
-def processed(logits: torch.Tensor, seqs: list[Sequence], contexts: list[list[list[int]]]) -> torch.Tensor:
+def wants_raw_logprobs(seqs: list[Sequence]) -> bool:
+    """Whether a sequence with processing wants the log-probabilities of its raw logits."""
+    return any(s.processor is not None and s.params.logprobs is not None and s.params.logprobs_mode == "raw"
+               for s in seqs)
+
+
+def processed(logits: torch.Tensor, seqs: list[Sequence], contexts: list[list[list[int]]],
+              masked: bool = False) -> torch.Tensor:
     """The sequences' processed logits (saguaro.engine.processing) at positions after their
     committed text and contexts[i][j]: logits [B, T, V], processed in place unless a sequence
     with processing wants its raw log-probabilities (then a copy is); the same tensor when
-    none processes."""
-    if any(s.processor is not None and s.params.logprobs is not None and s.params.logprobs_mode == "raw"
-           for s in seqs):
+    none processes. masked: the grammars' masks are in the logits already."""
+    if wants_raw_logprobs(seqs):
         logits = logits.clone()
     return process_rows(logits, [s.processor for s in seqs], [s.prompt_ids for s in seqs],
-                        [s.output_ids for s in seqs], contexts)
+                        [s.output_ids for s in seqs], contexts, masked)
+
+
+def scored(target: LlamaModel, hidden: torch.Tensor, seqs: list[Sequence],
+           contexts: list[list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's logits at hidden [B, T, hidden] and them processed after the contexts
+    (`processed`): (raw, final). Where the head takes masks (LlamaModel.masks_in_head) and no
+    request wants its raw log-probabilities, the grammars' masks go into the head's product,
+    which writes -inf at the illegal tokens while the logits are in the cache, and skips tokens
+    no row may take; the processing then leaves the grammar out, and raw holds the masks too."""
+    legal = None
+    if target.masks_in_head and not wants_raw_logprobs(seqs):
+        legal = head_masks([s.processor for s in seqs], contexts, hidden.shape[1], target.config.vocab_size)
+    raw = target.logits(hidden, legal)
+    return raw, processed(raw, seqs, contexts, masked=legal is not None)
 
 
 def commit_with_logprobs(seq: Sequence, tokens: list[int], raw: torch.Tensor, final: torch.Tensor) -> None:
@@ -99,8 +119,7 @@ class Verifier:
                 hidden[i] = ran[j, :len(chunks[j]) - group_starts[j]]
         prompt_logprobs = {i: [None] + token_logprobs(self.target.logits(hidden[i][:-1]), seqs[i].prompt_ids[1:],
                                                       seqs[i].params.prompt_logprobs) for i in whole}
-        raw = self.target.logits(torch.stack([h[-1] for h in hidden]))[:, None]
-        final = processed(raw, seqs, [[[]] for _ in seqs])
+        raw, final = scored(self.target, torch.stack([h[-1] for h in hidden])[:, None], seqs, [[[]] for _ in seqs])
         first = sample_next(final[:, 0], seqs)
         for i, (seq, token, start) in enumerate(zip(seqs, first, starts)):
             seq.prefilled(start, prompt_logprobs.get(i))
@@ -118,8 +137,7 @@ class Verifier:
         runs = runs or [[] for _ in seqs]
         chunks = [[s.token_ids[-1]] + run for s, run in zip(seqs, runs)]
         hidden = forward_chunks(self.target, self.cache, self._rows(seqs), chunks, [len(s) - 1 for s in seqs])
-        raw = self.target.logits(last_hidden(hidden, chunks))[:, None]
-        final = processed(raw, seqs, [[run] for run in runs])
+        raw, final = scored(self.target, last_hidden(hidden, chunks)[:, None], seqs, [[run] for run in runs])
         tokens = sample_next(final[:, 0], seqs)
         for i, (seq, run, token) in enumerate(zip(seqs, runs, tokens)):
             commit_with_logprobs(seq, run + [token], raw[i], final[i])
@@ -151,11 +169,12 @@ class Verifier:
             drafts = draft_tokens.tolist()
             hidden = forward_chunks(self.target, self.cache, self._rows(seqs),
                                     [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)], starts)
-        raw = logits = self.target.logits(hidden)
         if any(s.processor is not None for s in seqs):
             if self.device_side:
                 drafts = draft_tokens.tolist()
-            logits = processed(raw, seqs, [chain_contexts(d) for d in drafts])
+            raw, logits = scored(self.target, hidden, seqs, [chain_contexts(d) for d in drafts])
+        else:
+            raw = logits = self.target.logits(hidden)
         if all(s.params.greedy for s in seqs) and not self.device_side:
             outcomes = verify_greedy(drafts, logits.argmax(-1).tolist())
         else:
@@ -191,8 +210,7 @@ class Verifier:
         rows = self._rows(seqs)
         hidden = forward_chunks(self.target, self.cache, rows, chunks, starts,
                                 parents=[[-1] + [p + 1 for p in row] for row in parents])
-        raw = logits = self.target.logits(hidden)
-        logits = processed(raw, seqs, [tree_contexts(n, p) for n, p in zip(nodes, parents)])
+        raw, logits = scored(self.target, hidden, seqs, [tree_contexts(n, p) for n, p in zip(nodes, parents)])
         if all(s.params.greedy for s in seqs):
             argmax = logits.argmax(-1).tolist()
             walks = [walk_greedy(n, p, a) for n, p, a in zip(nodes, parents, argmax)]

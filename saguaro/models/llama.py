@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
+import numpy
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -394,10 +395,25 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, cache, rows, slots, attn_mask, mask.shape[-1])
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, legal: numpy.ndarray | None = None) -> torch.Tensor:
         """fp32 logits over the full vocabulary. With a reduced head, tokens outside it get
-        -inf: probability exactly zero, so the distribution a proposal is drawn from is exact."""
+        -inf: probability exactly zero, so the distribution a proposal is drawn from is exact.
+        legal: a grammar's masks, one int32 row per row of hidden (only where masks_in_head):
+        -inf at each row's illegal tokens, written by the head's product itself."""
+        if legal is not None:
+            if not self.masks_in_head:
+                raise ValueError("this model's head does not take masks (LlamaModel.masks_in_head)")
+            rows = hidden.reshape(-1, hidden.shape[-1])
+            return self.lm_head.matmul(rows, legal).reshape(*hidden.shape[:-1], -1)
         return self.to_vocab(self.head_logits(hidden), float("-inf"))
+
+    @property
+    def masks_in_head(self) -> bool:
+        """Whether `logits` takes a grammar's masks into the head: saguaro's kernels compute it in
+        fp32, over the full vocabulary, with no softcap after it (which would turn -inf finite)."""
+        return (getattr(self.lm_head, "out_dtype", None) == torch.float32 and self.dtype == torch.bfloat16
+                and self.config.head_vocab_size is None
+                and self.config.logit_softcap is None and self.device.type == "cpu")
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the head's own rows: the vocabulary, or a reduced head's tokens.

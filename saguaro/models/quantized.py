@@ -305,8 +305,9 @@ class GroupLinear(QuantizedLinear):
         self.bits, packed = native_tiles(weights)
         self.register_buffer("packed", packed, persistent=False)
 
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return bindings.group_matmul(self.bits, self.packed, rows, self.out_features, self.out_dtype)
+    def matmul(self, rows: torch.Tensor, legal: np.ndarray | None = None) -> torch.Tensor:
+        """legal: a grammar's masks a row (bindings.group_matmul; a head's fp32 logits only)."""
+        return bindings.group_matmul(self.bits, self.packed, rows, self.out_features, self.out_dtype, legal)
 
 
 class Int8Linear(QuantizedLinear):

@@ -39,7 +39,8 @@ class Kernels(ctypes.CDLL):
         super().__init__(str(path))
         self.build = build
         self.saguaro_group_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                              ctypes.c_void_p, ctypes.c_int64]
         self.saguaro_group_matmul.restype = ctypes.c_int
         self.saguaro_repack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -119,16 +120,27 @@ def bf16_available() -> bool:
 
 
 def group_matmul(bits: int, tiles: torch.Tensor, x: torch.Tensor, out_features: int,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x [rows, in] bf16 @ the packed weights' transpose -> [rows, out] in bf16 or fp32."""
+                 out_dtype: torch.dtype = torch.bfloat16, legal: numpy.ndarray | None = None) -> torch.Tensor:
+    """x [rows, in] bf16 @ the packed weights' transpose -> [rows, out] in bf16 or fp32. legal
+    [rows, words] int32 (a grammar's masks, fp32 out only): -inf at each row's illegal outputs,
+    and no work on tile columns that no row allows (group_matmul.c)."""
     x = x.contiguous()
     if x.dtype != torch.bfloat16:
         raise TypeError(f"saguaro's kernels take bf16 activations, got {x.dtype}")
     rows, in_features = x.shape
+    words = 0
+    if legal is not None:
+        legal = numpy.ascontiguousarray(legal)
+        # the kernel reads a mask row per row of x
+        if legal.dtype != numpy.int32 or legal.ndim != 2 or len(legal) != rows or out_dtype != torch.float32:
+            raise ValueError(f"group_matmul: legal {legal.shape} {legal.dtype} for {rows} rows out in {out_dtype}: "
+                             f"want one int32 mask row a row and fp32 out")
+        words = legal.shape[1]
     out = torch.empty(rows, out_features, dtype=out_dtype)
     if rows and library().saguaro_group_matmul(bits, tiles.data_ptr(), x.data_ptr(), out.data_ptr(), rows, in_features,
                                                out_features, int(out_dtype == torch.float32),
-                                               torch.get_num_threads()) != 0:
+                                               torch.get_num_threads(), None if legal is None else legal.ctypes.data,
+                                               words) != 0:
         raise MemoryError("saguaro_group_matmul: out of memory")
     return out
 

@@ -26,7 +26,8 @@ static int64_t attend_scratch(int64_t span, int64_t head_dim) {
 }
 
 int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *x, void *out, int64_t rows,
-                         int64_t in_features, int64_t out_features, int out_fp32, int threads);
+                         int64_t in_features, int64_t out_features, int out_fp32, int threads,
+                         const int32_t *legal, int64_t words);
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
@@ -367,7 +368,7 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
 
     const float offset = w->norm_offset;
     for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->input_norm, hidden, w->eps, offset, normed + t * hidden);
-    if (saguaro_group_matmul(w->qkv_bits, w->qkv, normed, qkv, n, hidden, qkv_width, 0, threads)) goto done;
+    if (saguaro_group_matmul(w->qkv_bits, w->qkv, normed, qkv, n, hidden, qkv_width, 0, threads, NULL, 0)) goto done;
     for (int64_t t = 0; t < n; t++) {
         uint16_t *row = qkv + t * qkv_width;
         if (w->qkv_bias)
@@ -385,15 +386,15 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
         }
     }
     if (saguaro_attention(w, qkv, n, keys, values, cache_slots, row_of, mask, span, attn, threads)) goto done;
-    if (saguaro_group_matmul(w->o_bits, w->o, attn, narrow, n, H * D, hidden, 0, threads)) goto done;
+    if (saguaro_group_matmul(w->o_bits, w->o, attn, narrow, n, H * D, hidden, 0, threads, NULL, 0)) goto done;
     if (w->attn_out_norm)
         for (int64_t t = 0; t < n; t++) rms_norm(narrow + t * hidden, w->attn_out_norm, hidden, w->eps, offset, narrow + t * hidden);
     for (int64_t i = 0; i < n * hidden; i++) x[i] = to_bf16(from_bf16(x[i]) + from_bf16(narrow[i]));
 
     for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->post_norm, hidden, w->eps, offset, normed + t * hidden);
-    if (saguaro_group_matmul(w->gate_up_bits, w->gate_up, normed, wide, n, hidden, 2 * inter, 0, threads)) goto done;
+    if (saguaro_group_matmul(w->gate_up_bits, w->gate_up, normed, wide, n, hidden, 2 * inter, 0, threads, NULL, 0)) goto done;
     for (int64_t t = 0; t < n; t++) gated(wide + t * 2 * inter, inter, w->activation, narrow + t * inter);
-    if (saguaro_group_matmul(w->down_bits, w->down, narrow, normed, n, inter, hidden, 0, threads)) goto done;
+    if (saguaro_group_matmul(w->down_bits, w->down, narrow, normed, n, inter, hidden, 0, threads, NULL, 0)) goto done;
     if (w->mlp_out_norm)
         for (int64_t t = 0; t < n; t++) rms_norm(normed + t * hidden, w->mlp_out_norm, hidden, w->eps, offset, normed + t * hidden);
     for (int64_t i = 0; i < n * hidden; i++) x[i] = to_bf16(from_bf16(x[i]) + from_bf16(normed[i]));

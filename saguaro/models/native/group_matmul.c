@@ -66,6 +66,7 @@
  * outputs) per part (at most MAX_PARTS), the parts' tiles following one after the other.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -448,10 +449,27 @@ TARGET static inline void store_sums(const float *sums, void *out, int64_t at, i
 }
 #endif
 
-/* out[rows, out_features] = x[rows, in_features] @ w.T, out in bf16 or fp32. Returns 0, -1
- * where memory ran out, -2 for a header that does not describe out_features. */
+/* Which of a tile column's 16 outputs a row's grammar allows: bits 16c .. 16c + 15 of its mask
+ * (int32 words, bit b of word w for output 32w + b; outputs past 32 * words: none). */
+static inline uint32_t legal_outputs(const int32_t *legal, int64_t words, int64_t row, int64_t column) {
+    if (column / 2 >= words) return 0;
+    return ((uint32_t)legal[row * words + column / 2] >> (16 * (column % 2))) & 0xFFFF;
+}
+
+/* A tile column's 16 fp32 sums for one row, -inf at the outputs its grammar forbids. */
+static inline void store_legal_sums(const float *sums, float *out, uint32_t legal) {
+    for (int j = 0; j < TILE_OUT; j++) out[j] = legal >> j & 1 ? sums[j] : -INFINITY;
+}
+
+/* out[rows, out_features] = x[rows, in_features] @ w.T, out in bf16 or fp32. With legal (a
+ * grammar's masks, [rows, words] int32, fp32 out only), each output a row's mask forbids is
+ * -inf instead, and a tile column no row of a block allows is not computed: a head under a
+ * grammar writes its masked logits once, while they are in the cache, and skips the tokens no
+ * row may take. Every other output is the product's, bit for bit. Returns 0, -1 where memory
+ * ran out, -2 for a header that does not describe out_features. */
 TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *x, void *out, int64_t rows,
-                                int64_t in_features, int64_t out_features, int out_fp32, int threads) {
+                                int64_t in_features, int64_t out_features, int out_fp32, int threads,
+                                const int32_t *legal, int64_t words) {
     const int64_t groups = in_features / GROUP, columns = out_features / TILE_OUT;
     int64_t parts = 1, part_bits[MAX_PARTS] = {bits}, part_end[MAX_PARTS] = {columns};
     const uint8_t *part_tiles[MAX_PARTS] = {tiles};
@@ -504,6 +522,14 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
             const uint8_t *tiles_of_column = part_tiles[p] + saguaro_tile_offset(
                 b, part_end[p] - first_column, groups, column - first_column, g0);
             const int R = rows - r0 < MAX_ROWS ? (int)(rows - r0) : MAX_ROWS;
+            uint32_t allowed[MAX_ROWS], any = !legal;
+            for (int r = 0; legal && r < R; r++) any |= allowed[r] = legal_outputs(legal, words, r0 + r, column);
+            if (!any) {
+                if (g0 + count == groups)
+                    for (int r = 0; r < R; r++)
+                        for (int j = 0; j < TILE_OUT; j++) ((float *)out)[(r0 + r) * out_features + column * TILE_OUT + j] = -INFINITY;
+                continue;
+            }
             const QuantizedGroup *xr = xq + r0 * groups + g0;
             float *result = partial + (chunks_first ? column - first : 0) * most * TILE_OUT;
             /* constant widths and row counts, so each case keeps its sums in registers */
@@ -522,8 +548,11 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
 #undef ROWS_OF
 #undef CASE
             if (g0 + count == groups)
-                for (int r = 0; r < R; r++)
-                    store_sums(result + r * TILE_OUT, out, (r0 + r) * out_features + column * TILE_OUT, out_fp32);
+                for (int r = 0; r < R; r++) {
+                    const int64_t at = (r0 + r) * out_features + column * TILE_OUT;
+                    if (legal) store_legal_sums(result + r * TILE_OUT, (float *)out + at, allowed[r]);
+                    else store_sums(result + r * TILE_OUT, out, at, out_fp32);
+                }
         }
         free(partial);
     }
