@@ -70,20 +70,26 @@ QUEUE = 3  # a batch-B group's requests, in batches: B at a time, each finished 
 
 class GrammarClock:
     """Time spent on processing (for json_schema requests: the grammar's masks, computed and
-    applied, on the target's and the local draft's logits) and on finding forced tokens."""
+    applied, on the target's and the local draft's logits), on the masks the target's head takes
+    (computed before its pass, applied in it) and on finding forced tokens; a call inside
+    another timed one counts once."""
 
     def __init__(self):
         self.seconds = 0.0
-        for owner, name in ((LogitsProcessor, "process_"), (GrammarMatcher, "forced")):
+        self.depth = 0
+        for owner, name in ((LogitsProcessor, "process_"), (GrammarMatcher, "masks"), (GrammarMatcher, "forced")):
             setattr(owner, name, self.timed(getattr(owner, name)))
 
     def timed(self, method):
         def run(*args, **kwargs):
             started = time.perf_counter()
+            self.depth += 1
             try:
                 return method(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - started
+                self.depth -= 1
+                if not self.depth:
+                    self.seconds += time.perf_counter() - started
         return run
 
 
