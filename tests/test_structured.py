@@ -480,8 +480,8 @@ def test_masks_in_the_head_give_what_masks_after_it_give(real_prompts, monkeypat
         monkeypatch.undo()
         if broken:
             head_masks = verification.head_masks
-            monkeypatch.setattr(verification, "head_masks", lambda processors, contexts, positions, vocab_size:
-                                head_masks(processors, [[[]] * len(c) for c in contexts], positions, vocab_size))
+            monkeypatch.setattr(verification, "head_masks", lambda processors, contexts, *shape:
+                                head_masks(processors, [[[]] * len(c) for c in contexts], *shape))
         try:
             got = [o.token_ids for o in spec.generate(real_prompts, params, use_tqdm=False)]
         except RuntimeError as error:  # a token its grammar forbids, committed
@@ -490,6 +490,46 @@ def test_masks_in_the_head_give_what_masks_after_it_give(real_prompts, monkeypat
         assert (got == expected) != broken
     finally:
         spec.close()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_reduced_draft_head_under_grammars_gives_the_vocabularys_masked_logits(real_prompts, broken):
+    """The shipped draft's head (8,192 of the 49,152 tokens) takes the grammars' masks in its
+    own rows' order (constrained_head_logits): the same logits as processing over the whole
+    vocabulary and reading its rows back, for a row under a schema (contexts with a drafted
+    token, one the grammar forbids), a row under a regex and a row without a grammar. The
+    control maps each head row to the next token's bit."""
+    from saguaro.models import pairing
+    from saguaro.speculation.local.drafters import constrained_head_logits, constraint
+
+    llm = LLM(hub.DEFAULT_MODEL, method="ar")
+    try:
+        draft = pairing.load_draft(hub.default_draft(hub.DEFAULT_MODEL), llm.target, torch.bfloat16)
+        assert draft.masks_in_head and draft.head_ids is not None
+        tokenizer = grammar_tokenizer(llm.tokenizer, llm.eos_token_ids)
+        specs = [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=r"(Yes|No), because [a-z ,]{10,60}\."), None]
+        seqs = [Sequence(i, [1, 2, 3], SamplingParams(temperature=0, structured_outputs=spec), set(llm.eos_token_ids),
+                         llm.tokenizer) for i, spec in enumerate(specs)]
+        for seq, spec in zip(seqs, specs):
+            seq.processor = LogitsProcessor.of(seq.params, set(llm.eos_token_ids),
+                                               None if spec is None else GrammarMatcher(spec, tokenizer))
+        opening = seqs[0].processor.grammar.only_legal_token()
+        contexts = [[[], [opening], [opening, 7]], [[], [], []], [[], [], []]]
+        hidden = torch.randn(3, 3, draft.config.hidden_size).bfloat16()
+        constrain = constraint(seqs)
+        assert constrain.only_grammars
+        expected = constrain(draft.logits(hidden), contexts)[..., draft.head_token_ids]
+        if broken:
+            ids = draft.head_token_ids
+            draft.register_buffer("head_token_ids", ids + 1)
+            constrain = constraint(seqs)
+        got = constrained_head_logits(draft, hidden, constrain, contexts)
+        if broken:
+            draft.register_buffer("head_token_ids", ids)
+        assert torch.isinf(expected[0, 0]).sum() > 0 and torch.isfinite(expected[2]).all()
+        assert torch.equal(got, expected) != broken
+    finally:
+        llm.close()
 
 
 # --- log-probabilities ----------------------------------------------------------------------------

@@ -109,6 +109,13 @@ class LogitsProcessor:
             values = torch.where(seen, torch.where(values > 0, values / r, values * r), values)
         logits[:, columns] = values - (p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float())
 
+    @property
+    def only_grammar(self) -> bool:
+        """Whether its only processing is a grammar's masks."""
+        p = self.params
+        return self.grammar is not None and not (p.presence_penalty or p.frequency_penalty or p.logit_bias
+                                                 or p.repetition_penalty != 1.0 or p.min_tokens)
+
     def commit(self, token: int) -> bool:
         """Advances the grammar over a committed token; False when it was not legal there."""
         return self.grammar is None or self.grammar.commit(token)
@@ -153,21 +160,35 @@ def process_rows(logits: torch.Tensor, processors: list[LogitsProcessor | None],
 
 
 def head_masks(processors: list[LogitsProcessor | None], contexts: list[list[list[int]]], positions: int,
-               vocab_size: int) -> numpy.ndarray | None:
+               vocab_size: int, head_ids: numpy.ndarray | None = None) -> numpy.ndarray | None:
     """The grammars' masks of a batch's positions as a model's head takes them
-    (LlamaModel.logits, legal): [B * positions, words] int32, row i * positions + j the mask
-    after sequence i's text and contexts[i][j], every token legal where a sequence has no
+    (LlamaModel.head_logits, legal): [B * positions, words] int32, row i * positions + j the
+    mask after sequence i's text and contexts[i][j], every token legal where a sequence has no
     grammar, at a position no context reaches, or one verification cannot reach (after a
-    token the grammar forbids). None when no sequence has a grammar."""
+    token the grammar forbids). head_ids: a reduced head's token of each row (bit k of a mask
+    is then head row k's). None when no sequence has a grammar."""
     grammars = [p.grammar if p is not None else None for p in processors]
     if all(g is None for g in grammars):
         return None
-    words = max([(vocab_size + 31) // 32] + [g.words for g in grammars if g is not None])
+    rows = vocab_size if head_ids is None else len(head_ids)
+    words = (rows + 31) // 32
     legal = numpy.full((len(processors), positions, words), -1, dtype=numpy.int32)
     for i, grammar in enumerate(grammars):
-        if grammar is not None:
-            masks = grammar.masks(contexts[i])
-            legal[i, :len(contexts[i]), grammar.words:] = 0  # past the grammar's vocabulary: illegal
-            legal[i, :len(contexts[i]), :grammar.words] = masks.bits
-            legal[i, masks.unreachable] = -1
+        if grammar is None:
+            continue
+        masks = grammar.masks(contexts[i])
+        bits = masks.bits.view(numpy.uint32)
+        n = len(contexts[i])
+        if head_ids is None:
+            shared = min(words, grammar.words)
+            legal[i, :n, :shared] = masks.bits[:, :shared]
+            legal[i, :n, shared:] = 0  # past the grammar's vocabulary: illegal
+        else:  # each head row's bit, from its token's
+            inside = head_ids < 32 * grammar.words
+            at = numpy.where(inside, head_ids, 0)
+            allowed = (bits[:, at >> 5] >> (at & 31).astype(numpy.uint32)) & 1 & inside
+            padded = numpy.zeros((n, words * 32), dtype=numpy.uint8)
+            padded[:, :rows] = allowed
+            legal[i, :n] = numpy.packbits(padded, axis=-1, bitorder="little").view(numpy.int32)
+        legal[i, masks.unreachable] = -1
     return legal.reshape(-1, words)

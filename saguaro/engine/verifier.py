@@ -44,7 +44,8 @@ def scored(target: LlamaModel, hidden: torch.Tensor, seqs: list[Sequence],
     no row may take; the processing then leaves the grammar out, and raw holds the masks too."""
     legal = None
     if target.masks_in_head and not wants_raw_logprobs(seqs):
-        legal = head_masks([s.processor for s in seqs], contexts, hidden.shape[1], target.config.vocab_size)
+        legal = head_masks([s.processor for s in seqs], contexts, hidden.shape[1], target.config.vocab_size,
+                           target.head_ids)
     raw = target.logits(hidden, legal)
     return raw, processed(raw, seqs, contexts, masked=legal is not None)
 

@@ -398,27 +398,32 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor, legal: numpy.ndarray | None = None) -> torch.Tensor:
         """fp32 logits over the full vocabulary. With a reduced head, tokens outside it get
         -inf: probability exactly zero, so the distribution a proposal is drawn from is exact.
-        legal: a grammar's masks, one int32 row per row of hidden (only where masks_in_head):
-        -inf at each row's illegal tokens, written by the head's product itself."""
-        if legal is not None:
-            if not self.masks_in_head:
-                raise ValueError("this model's head does not take masks (LlamaModel.masks_in_head)")
-            rows = hidden.reshape(-1, hidden.shape[-1])
-            return self.lm_head.matmul(rows, legal).reshape(*hidden.shape[:-1], -1)
-        return self.to_vocab(self.head_logits(hidden), float("-inf"))
+        legal: a grammar's masks over the head's rows (`head_logits`)."""
+        return self.to_vocab(self.head_logits(hidden, legal), float("-inf"))
 
     @property
     def masks_in_head(self) -> bool:
-        """Whether `logits` takes a grammar's masks into the head: saguaro's kernels compute it in
-        fp32, over the full vocabulary, with no softcap after it (which would turn -inf finite)."""
+        """Whether the head takes a grammar's masks into its product (`head_logits`, legal):
+        saguaro's kernels compute it in fp32, with no softcap after it (which would turn -inf
+        finite)."""
         return (getattr(self.lm_head, "out_dtype", None) == torch.float32 and self.dtype == torch.bfloat16
-                and self.config.head_vocab_size is None
                 and self.config.logit_softcap is None and self.device.type == "cpu")
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def head_ids(self) -> numpy.ndarray | None:
+        """The token of each of a reduced head's rows; None for a head over the vocabulary."""
+        return None if self.config.head_vocab_size is None else self.head_token_ids.numpy()
+
+    def head_logits(self, hidden: torch.Tensor, legal: numpy.ndarray | None = None) -> torch.Tensor:
         """fp32 logits over the head's own rows: the vocabulary, or a reduced head's tokens.
         Drafts sample in this space (all the mass is there, at a fraction of the width) and
-        map rows to token ids with `head_token`."""
+        map rows to token ids with `head_token`. legal (only where masks_in_head): a grammar's
+        masks over the head's rows, one int32 row per row of hidden: -inf at each row's illegal
+        tokens, written by the product itself (bindings.group_matmul)."""
+        if legal is not None:
+            if not self.masks_in_head:
+                raise ValueError("this model's head does not take masks (LlamaModel.masks_in_head)")
+            return self.lm_head.matmul(hidden.reshape(-1, hidden.shape[-1]), legal).reshape(*hidden.shape[:-1], -1)
         project = invariant.project if self.execution.batch_invariant else _call
         return softcap(project(self.lm_head, hidden).float(), self.config.logit_softcap)
 

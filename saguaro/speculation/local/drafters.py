@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from saguaro.config import SpeculativeConfig, TreeShape
-from saguaro.engine.processing import LogitsProcessor, process_rows
+from saguaro.engine.processing import LogitsProcessor, head_masks, process_rows
 from saguaro.engine.proposal import Proposal
 from saguaro.engine.runner import forward_chunks, last_hidden, prefill_chunks
 from saguaro.engine.sampler import MIN_TEMPERATURE, SamplingParams, WarpParams, sample, uniforms, warp
@@ -27,9 +27,22 @@ from saguaro.speculation.local.lookup import lookups, ngram_guess
 
 # reshape(i, probs, logits) -> the distribution draft token i is really sampled from
 Reshape = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-# constrain(logits [B, T, vocabulary], contexts [B][T]) -> the rows' processed logits after each
-# row's committed text and its drafted tokens contexts[b][t] (saguaro.engine.processing)
-Constrain = Callable[[torch.Tensor, list[list[list[int]]]], torch.Tensor]
+@dataclass
+class Constraint:
+    """The sequences' processing as drafts apply it: called on logits [B, T, vocabulary] and
+    contexts [B][T], the rows' processed logits after each row's committed text and its
+    drafted tokens contexts[b][t] (saguaro.engine.processing)."""
+    processors: list[LogitsProcessor | None]
+    prompts: list[list[int]]
+    outputs: list[list[int]]
+
+    def __call__(self, logits: torch.Tensor, contexts: list[list[list[int]]]) -> torch.Tensor:
+        return process_rows(logits, self.processors, self.prompts, self.outputs, contexts)
+
+    @property
+    def only_grammars(self) -> bool:
+        """Whether all of it is grammars' masks, which a head can take (constrained_head_logits)."""
+        return all(p is None or p.only_grammar for p in self.processors)
 
 
 class Drafted(Protocol):
@@ -42,24 +55,28 @@ class Drafted(Protocol):
     prompt_len: int
 
 
-def constraint(seqs: list[Drafted]) -> Constrain | None:
+def constraint(seqs: list[Drafted]) -> Constraint | None:
     """The sequences' processing as drafts apply it, so they draft what the target may accept
     (under a grammar, an unconstrained draft's tokens would mostly be rejected); None when no
     sequence processes its logits."""
     if all(s.processor is None for s in seqs):
         return None
-    processors = [s.processor for s in seqs]
-    prompts = [s.token_ids[:s.prompt_len] for s in seqs]
-    outputs = [s.token_ids[s.prompt_len:] for s in seqs]
-    return lambda logits, contexts: process_rows(logits, processors, prompts, outputs, contexts)
+    return Constraint([s.processor for s in seqs], [s.token_ids[:s.prompt_len] for s in seqs],
+                      [s.token_ids[s.prompt_len:] for s in seqs])
 
 
-def constrained_head_logits(model: LlamaModel, hidden: torch.Tensor, constrain: Constrain | None,
+def constrained_head_logits(model: LlamaModel, hidden: torch.Tensor, constrain: Constraint | None,
                             contexts: list[list[list[int]]]) -> torch.Tensor:
     """The draft's logits over its head rows [B, T, head rows] for hidden [B, T, hidden], processed
-    where constrain is given (over the vocabulary, then read back at the head's rows)."""
+    where constrain is given: over the vocabulary, then read back at the head's rows; or, where
+    it is grammars alone and the head takes masks (LlamaModel.masks_in_head), by the head's
+    product over its own rows (-inf at the illegal tokens, their columns skipped), the same
+    logits without a pass over the vocabulary."""
     if constrain is None:
         return model.head_logits(hidden)
+    if constrain.only_grammars and model.masks_in_head:
+        return model.head_logits(hidden, head_masks(constrain.processors, contexts, hidden.shape[1],
+                                                    model.config.vocab_size, model.head_ids))
     logits = constrain(model.logits(hidden), contexts)
     return logits if model.config.head_vocab_size is None else logits[..., model.head_token_ids]
 
@@ -130,7 +147,7 @@ class FeatureLog:
 def autoregressive_draft(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]],
                          starts: list[int], params: WarpParams, k: int, u: torch.Tensor | None,
                          reshape: Reshape | None = None,
-                         features: list[torch.Tensor] | None = None, constrain: Constrain | None = None
+                         features: list[torch.Tensor] | None = None, constrain: Constraint | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Feeds each row's pending chunk, then drafts k tokens one at a time, sampling with the
     uniforms u [B, k] (None where every row is greedy). An EAGLE draft reads `features` with
@@ -240,7 +257,7 @@ def jump_forward_draft(model: LlamaModel, cache: KVCache, rows: list[int], chunk
 
 
 def grow_tree(model: LlamaModel, cache: KVCache, rows: list[int], chunks: list[list[int]], starts: list[int],
-              temperatures: list[float], shape: TreeShape, constrain: Constrain | None = None
+              temperatures: list[float], shape: TreeShape, constrain: Constraint | None = None
               ) -> tuple[list[list[int]], list[list[int]]]:
     """Feeds each row's pending chunk, then grows a token tree below its last token, as EAGLE-2
     does: a node's score is the draft's log-probability of its path from the root; at each
