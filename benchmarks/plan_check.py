@@ -74,7 +74,7 @@ class RoundTimer:
                 self.seconds.setdefault(key, []).append(seconds_of(result, time.perf_counter() - start))
                 return result
             return call
-        Verifier.decode = timed(decode, lambda seqs: len(seqs))
+        Verifier.decode = timed(decode, lambda seqs, runs=None: len(seqs) + sum(map(len, runs or [])))
         Verifier.verify = timed(verify, lambda seqs, proposal: proposal.tokens.numel() + len(seqs))
         DraftProposer.propose = timed(propose, lambda seqs, k, tree=None: len(seqs),
                                       lambda proposal, seconds: (seconds - proposal.start_s) / proposal.tokens.shape[1])
