@@ -464,16 +464,17 @@ def test_ar_jump_forward_equals_one_token_a_round_on_the_kernels(real_prompts, m
 
 
 @pytest.mark.parametrize("broken", [False, True])
-@pytest.mark.parametrize("method", ["ar", "sd"])
-def test_masks_in_the_head_give_what_masks_after_it_give(real_prompts, monkeypatch, method, broken):
+@pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("sd", 0.0), ("sd", 0.8)])
+def test_masks_in_the_head_give_what_masks_after_it_give(real_prompts, monkeypatch, method, temperature, broken):
     """On the default model the grammar's masks go into the head's product (LlamaModel.logits,
-    legal): greedy outputs under a JSON schema with penalties and a bias equal those with the
-    masks applied after the head. The control builds each position's mask after the committed
-    text alone, forgetting the forced run or drafts before it."""
+    legal): outputs under a JSON schema with penalties and a bias equal those with the masks
+    applied after the head, greedy and sampled with the same seeds (the same draws then see the
+    same distributions). The control builds each position's mask after the committed text
+    alone, forgetting the forced run or drafts before it."""
     spec = LLM(hub.DEFAULT_MODEL, method=method, max_num_seqs=len(real_prompts))
     try:
         assert spec.target.masks_in_head
-        params = SamplingParams(temperature=0, max_tokens=40, **REAL_CASES["json_schema"],
+        params = SamplingParams(temperature=temperature, seed=7, max_tokens=40, **REAL_CASES["json_schema"],
                                 presence_penalty=0.5, logit_bias={330: 2.0})
         monkeypatch.setattr(LlamaModel, "masks_in_head", False)
         expected = [o.token_ids for o in spec.generate(real_prompts, params, use_tqdm=False)]
