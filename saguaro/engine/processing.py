@@ -112,9 +112,7 @@ class LogitsProcessor:
     @property
     def only_grammar(self) -> bool:
         """Whether its only processing is a grammar's masks."""
-        p = self.params
-        return self.grammar is not None and not (p.presence_penalty or p.frequency_penalty or p.logit_bias
-                                                 or p.repetition_penalty != 1.0 or p.min_tokens)
+        return self.grammar is not None and not self.params.adjusts_logits
 
     def commit(self, token: int) -> bool:
         """Advances the grammar over a committed token; False when it was not legal there."""

@@ -71,8 +71,13 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether logits need processing before `warp` (min_p is part of warp)."""
+        return self.adjusts_logits or self.structured_outputs is not None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether processing other than a grammar's masks applies: penalties, a bias, min_tokens."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.structured_outputs is not None)
+                    or self.logit_bias or self.min_tokens)
 
     def _check_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -27,6 +27,8 @@ from saguaro.speculation.local.lookup import lookups, ngram_guess
 
 # reshape(i, probs, logits) -> the distribution draft token i is really sampled from
 Reshape = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class Constraint:
     """The sequences' processing as drafts apply it: called on logits [B, T, vocabulary] and
