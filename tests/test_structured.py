@@ -265,6 +265,27 @@ def test_the_mask_kernel_refuses_masks_that_do_not_fit_the_logits():
     assert bool(torch.isinf(logits).all())
 
 
+@pytest.mark.skipif(not bindings.available(), reason="needs saguaro's kernels")
+@pytest.mark.parametrize("broken", [False, True], ids=["kernel", "control"])
+def test_a_reduced_heads_masks_hold_each_rows_bit_from_its_tokens(broken):
+    """bindings.head_bits against the masks unpacked bit by bit and read at each head row's token,
+    over rows of few, half and most legal tokens, unsorted ids and ids past the mask (illegal),
+    into a row with spare bits (left clear). Control: ids off by one must give other masks."""
+    rng = numpy.random.default_rng(2)
+    words = 40  # 1,280 tokens
+    legal = numpy.stack([rng.random(words * 32) < share for share in (0.01, 0.5, 0.99)])
+    bits = (legal.reshape(3, words, 32) << numpy.arange(32, dtype=numpy.uint64)).sum(-1).astype(numpy.uint32)
+    ids = numpy.concatenate([rng.permutation(words * 32)[:300], [words * 32, words * 32 + 7]])
+    expected = numpy.zeros((3, 320), dtype=bool)
+    expected[:, :300] = legal[:, ids[:300]]
+    out = numpy.full((3, 10), -1, dtype=numpy.int32)
+    bindings.head_bits(bits.view(numpy.int32), ids + 1 if broken else ids, out)
+    got = numpy.unpackbits(out.view(numpy.uint8), axis=-1, bitorder="little").astype(bool)
+    assert numpy.array_equal(got, expected) != broken
+    with pytest.raises(ValueError, match="at least len"):
+        bindings.head_bits(bits.view(numpy.int32), ids, numpy.zeros((3, 9), dtype=numpy.int32))
+
+
 @pytest.mark.skipif(bindings.build() != "avx512", reason="needs saguaro's AVX-512 kernels, to run their AVX2 build beside")
 def test_the_avx2_kernel_masks_as_the_avx512_one_does():
     """token_mask.c's AVX2 build (scalar stores) passes the same test as the AVX-512 build."""

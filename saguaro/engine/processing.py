@@ -18,6 +18,7 @@ import torch
 
 from saguaro.engine.sampler import SamplingParams
 from saguaro.engine.structured import GrammarMatcher
+from saguaro.models.native import bindings as native
 
 
 class LogitsProcessor:
@@ -175,18 +176,12 @@ def head_masks(processors: list[LogitsProcessor | None], contexts: list[list[lis
         if grammar is None:
             continue
         masks = grammar.masks(contexts[i])
-        bits = masks.bits.view(numpy.uint32)
         n = len(contexts[i])
         if head_ids is None:
             shared = min(words, grammar.words)
             legal[i, :n, :shared] = masks.bits[:, :shared]
             legal[i, :n, shared:] = 0  # past the grammar's vocabulary: illegal
-        else:  # each head row's bit, from its token's
-            inside = head_ids < 32 * grammar.words
-            at = numpy.where(inside, head_ids, 0)
-            allowed = (bits[:, at >> 5] >> (at & 31).astype(numpy.uint32)) & 1 & inside
-            padded = numpy.zeros((n, words * 32), dtype=numpy.uint8)
-            padded[:, :rows] = allowed
-            legal[i, :n] = numpy.packbits(padded, axis=-1, bitorder="little").view(numpy.int32)
+        else:  # each head row's bit, from its token's (only saguaro's kernels take masks)
+            native.head_bits(masks.bits, head_ids, legal[i, :n])
         legal[i, masks.unreachable] = -1
     return legal.reshape(-1, words)

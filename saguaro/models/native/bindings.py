@@ -68,6 +68,9 @@ class Kernels(ctypes.CDLL):
         self.saguaro_mask_logits.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                              ctypes.c_int64, ctypes.c_void_p]
         self.saguaro_mask_logits.restype = None
+        self.saguaro_head_bits.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+        self.saguaro_head_bits.restype = None
 
 
 def _supported_build() -> Kernels:
@@ -157,3 +160,17 @@ def mask_logits(logits: torch.Tensor, bits: numpy.ndarray, skip: numpy.ndarray) 
                          f"skip {skip.shape}: want contiguous fp32 CPU logits and one int32 mask row and skip byte a row")
     library().saguaro_mask_logits(logits.data_ptr(), logits.shape[0], logits.shape[1], bits.ctypes.data,
                                   bits.shape[1], skip.ctypes.data)
+
+
+def head_bits(bits: numpy.ndarray, ids: numpy.ndarray, out: numpy.ndarray) -> None:
+    """Into out [T, out words] int32 (contiguous): bit k of row j set where token ids[k] is legal
+    in bits [T, words] int32 (a grammar's masks over the vocabulary): the masks of a head whose
+    row k predicts token ids[k]."""
+    bits = numpy.ascontiguousarray(bits, dtype=numpy.int32)
+    ids = numpy.ascontiguousarray(ids, dtype=numpy.int64)
+    if out.dtype != numpy.int32 or not out.flags.c_contiguous or out.ndim != 2 or bits.ndim != 2 \
+            or len(out) != len(bits) or 32 * out.shape[1] < len(ids):
+        raise ValueError(f"head_bits: bits {bits.shape} {bits.dtype}, {len(ids)} ids, out {out.shape} {out.dtype}: "
+                         "want one contiguous int32 row of at least len(ids) bits a mask row")
+    library().saguaro_head_bits(bits.ctypes.data, bits.shape[0], bits.shape[1], ids.ctypes.data, len(ids),
+                                out.ctypes.data, out.shape[1])

@@ -37,3 +37,21 @@ TARGET void saguaro_mask_logits(float *logits, int64_t rows, int64_t width, cons
             if (t >= words * 32 || !(word[t / 32] >> (t % 32) & 1)) row[t] = -INFINITY;
     }
 }
+
+/* A grammar's masks as a reduced head takes them (a draft's head over some of the tokens):
+ * bit k of out row r set where its token ids[k] is legal in bits row r (tokens past 32 * words:
+ * illegal). out [rows, out_words], bits past count clear. A gather of one bit a head row, which
+ * numpy could only do through a byte a token over the whole vocabulary and back. */
+void saguaro_head_bits(const int32_t *bits, int64_t rows, int64_t words, const int64_t *ids, int64_t count,
+                       int32_t *out, int64_t out_words) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t *word = (const uint32_t *)(bits + r * words);
+        uint32_t *head = (uint32_t *)(out + r * out_words);
+        for (int64_t w = 0; w < out_words; w++) head[w] = 0;
+        for (int64_t k = 0; k < count; k++) {
+            const int64_t token = ids[k];
+            if (token >= 0 && token < 32 * words && (word[token >> 5] >> (token & 31) & 1))
+                head[k >> 5] |= 1u << (k & 31);
+        }
+    }
+}
