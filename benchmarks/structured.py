@@ -2,8 +2,9 @@
 requests under a JSON schema and unconstrained (their medians over request groups, the two
 taking turns group by group, since the machine's speed drifts), their ratio, the ratio of the
 median request's decode tokens/s, the share of the constrained decode time spent on the grammar
-(computing and applying masks, finding forced tokens: in this process, so not the SSD worker's,
-which it hides), and the share of output tokens the grammar forced (the only legal token where
+(computing masks, laying them out for the heads and applying them, finding forced tokens,
+moving the matcher: in this process, so not the SSD worker's, which it hides) and the part of it
+in llguidance computing the masks, and the share of output tokens the grammar forced (the only legal token where
 it stood: what jump-forward may commit without a draft step) and the share it did commit so
 ("jumped": spec_decode_num_forced_tokens). Every constrained output that ends is checked
 against its schema (jsonschema).
@@ -35,9 +36,11 @@ import torch
 
 from saguaro import LLM, SamplingParams
 from saguaro.bench import peers
+from saguaro.engine import verifier
 from saguaro.engine.processing import LogitsProcessor
 from saguaro.engine.structured import GrammarMatcher, StructuredOutputs, grammar_tokenizer
 from saguaro.models import hub
+from saguaro.speculation.local import drafters
 
 SCHEMAS = [
     ("a person", {"type": "object", "properties": {
@@ -70,15 +73,26 @@ QUEUE = 3  # a batch-B group's requests, in batches: B at a time, each finished 
 
 class GrammarClock:
     """Time spent on processing (for json_schema requests: the grammar's masks, computed and
-    applied, on the target's and the local draft's logits), on the masks the target's head takes
-    (computed before its pass, applied in it) and on finding forced tokens; a call inside
-    another timed one counts once."""
+    applied, on the target's and the local draft's logits), on the masks the heads take
+    (computed and laid out for the head before its pass, applied in it), on finding forced
+    tokens and on moving the matcher over committed tokens; a call inside another timed one
+    counts once. mask_seconds: the part of it in llguidance computing masks (the issue's "mask
+    time"); the rest is their bookkeeping (cached and laid out for a head, forced tokens found,
+    the matcher moved)."""
 
     def __init__(self):
-        self.seconds = 0.0
+        self.seconds = self.mask_seconds = 0.0
         self.depth = 0
-        for owner, name in ((LogitsProcessor, "process_"), (GrammarMatcher, "masks"), (GrammarMatcher, "forced")):
+        for owner, name in ((LogitsProcessor, "process_"), (GrammarMatcher, "masks"), (GrammarMatcher, "forced"),
+                            (GrammarMatcher, "commit"), (verifier, "head_masks"), (drafters, "head_masks")):
             setattr(owner, name, self.timed(getattr(owner, name)))
+        fill = GrammarMatcher._fill
+
+        def timed_fill(matcher: GrammarMatcher, row) -> None:
+            started = time.perf_counter()
+            fill(matcher, row)
+            self.mask_seconds += time.perf_counter() - started
+        GrammarMatcher._fill = timed_fill
 
     def timed(self, method):
         def run(*args, **kwargs):
@@ -121,7 +135,7 @@ def requests(group: int, batch: int) -> list[tuple[list[dict], dict]]:
 def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: GrammarClock) -> dict:
     rates: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
     per_request: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
-    grammar_share, forced, jumped, tokens, valid, ended = [], 0, 0, 0, 0, 0
+    grammar_share, mask_share, forced, jumped, tokens, valid, ended = [], [], 0, 0, 0, 0, 0
     for group in range(args.groups + 1):  # the first group warms up, uncounted
         picked = requests(group, batch if batch == 1 else QUEUE * batch)
         lengths = [args.max_tokens] * len(picked)
@@ -131,7 +145,7 @@ def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: 
             params = [SamplingParams(temperature=args.temperature, max_tokens=length, seed=group,
                                      structured_outputs=StructuredOutputs(json=schema) if mode == "json_schema"
                                      else None) for (_, schema), length in zip(picked, lengths)]
-            clock.seconds = 0.0
+            clock.seconds = clock.mask_seconds = 0.0
             jumped_before = llm.metrics().get("spec_decode_num_forced_tokens", 0)
             started = time.perf_counter()
             outputs = llm.generate([prompt for prompt, _ in picked], params, use_tqdm=False)
@@ -144,6 +158,7 @@ def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: 
             per_request[mode] += [o.metrics.decode_tokens_per_s for o in outputs]
             if mode == "json_schema":
                 grammar_share.append(clock.seconds / decode_s)
+                mask_share.append(clock.mask_seconds / decode_s)
                 jumped += llm.metrics().get("spec_decode_num_forced_tokens", 0) - jumped_before
                 for (_, schema), out in zip(picked, outputs):
                     f, n = forced_share(llm, schema, out.token_ids)
@@ -151,8 +166,8 @@ def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: 
                     if out.finish_reason == "stop":
                         ended += 1
                         valid += validates(out.text, schema)
-    return row(method, batch, rates, per_request, statistics.median(grammar_share), forced / max(tokens, 1),
-               jumped / max(tokens, 1), valid, ended)
+    return row(method, batch, rates, per_request, statistics.median(grammar_share), statistics.median(mask_share),
+               forced / max(tokens, 1), jumped / max(tokens, 1), valid, ended)
 
 
 def measure_llamacpp(llm: LLM, args: argparse.Namespace) -> dict | None:
@@ -180,17 +195,18 @@ def measure_llamacpp(llm: LLM, args: argparse.Namespace) -> dict | None:
             if mode == "json_schema" and output[-1] == llama.token_eos():
                 ended += 1
                 valid += validates(llama.detokenize(output[:-1]).decode(errors="replace"), schema)
-    return row("llama.cpp", 1, rates, rates, None, None, None, valid, ended)
+    return row("llama.cpp", 1, rates, rates, None, None, None, None, valid, ended)
 
 
 def row(method: str, batch: int, rates: dict[str, list[float]], per_request: dict[str, list[float]],
-        grammar_share: float | None, forced: float | None, jumped: float | None, valid: int, ended: int) -> dict:
+        grammar_share: float | None, mask_share: float | None, forced: float | None, jumped: float | None,
+        valid: int, ended: int) -> dict:
     constrained, free = statistics.median(rates["json_schema"]), statistics.median(rates["unconstrained"])
     return {"method": method, "batch": batch, "json_schema_tok_s": constrained, "unconstrained_tok_s": free,
             "ratio": constrained / free,
             "request_ratio": (statistics.median(per_request["json_schema"])
                               / statistics.median(per_request["unconstrained"])),
-            "grammar_share": grammar_share, "forced_share": forced, "jumped_share": jumped, "valid": f"{valid}/{ended}"}
+            "grammar_share": grammar_share, "mask_share": mask_share, "forced_share": forced, "jumped_share": jumped, "valid": f"{valid}/{ended}"}
 
 
 def main() -> None:
@@ -217,17 +233,18 @@ def main() -> None:
             llm.close()
     print(f"\nT = {args.temperature}, max_tokens {args.max_tokens}, medians over {args.groups} request groups a "
           f"cell; ratio: schema / free tok/s (batch B: B at a time from a queue of {QUEUE}B), per req: of the "
-          f"median request; grammar: share of the "
-          f"constrained decode time; forced: share of its output tokens; jumped: share committed without a draft step; valid: "
+          f"median request; grammar: share of the constrained decode time on the grammar, masks: on "
+          f"llguidance computing masks (part of grammar); forced: share of its output tokens; jumped: share committed without a draft step; valid: "
           f"outputs that validate / outputs that ended (not cut at max_tokens)")
     print(f"{'method':9s} {'batch':>5s} {'schema tok/s':>12s} {'free tok/s':>10s} {'ratio':>6s} {'per req':>7s} "
-          f"{'grammar':>8s} {'forced':>7s} {'jumped':>7s} {'valid':>7s}")
+          f"{'grammar':>8s} {'masks':>6s} {'forced':>7s} {'jumped':>7s} {'valid':>7s}")
     for r in rows:
         share = "-" if r["grammar_share"] is None else f"{r['grammar_share']:.1%}"
+        masks = "-" if r["mask_share"] is None else f"{r['mask_share']:.1%}"
         forced = "-" if r["forced_share"] is None else f"{r['forced_share']:.1%}"
         jumped = "-" if r["jumped_share"] is None else f"{r['jumped_share']:.1%}"
         print(f"{r['method']:9s} {r['batch']:5d} {r['json_schema_tok_s']:12.1f} {r['unconstrained_tok_s']:10.1f} "
-              f"{r['ratio']:6.2f} {r['request_ratio']:7.2f} {share:>8s} {forced:>7s} {jumped:>7s} {r['valid']:>7s}")
+              f"{r['ratio']:6.2f} {r['request_ratio']:7.2f} {share:>8s} {masks:>6s} {forced:>7s} {jumped:>7s} {r['valid']:>7s}")
 
 
 if __name__ == "__main__":

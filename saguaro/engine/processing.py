@@ -171,17 +171,23 @@ def head_masks(processors: list[LogitsProcessor | None], contexts: list[list[lis
         return None
     rows = vocab_size if head_ids is None else len(head_ids)
     words = (rows + 31) // 32
-    legal = numpy.full((len(processors), positions, words), -1, dtype=numpy.int32)
+    # each row written once: a call runs between model passes, when every numpy call costs
+    # several times its warm time
+    legal = numpy.empty((len(processors), positions, words), dtype=numpy.int32)
     for i, grammar in enumerate(grammars):
+        n = 0 if grammar is None else len(contexts[i])
+        if n < positions:
+            legal[i, n:] = -1
         if grammar is None:
             continue
         masks = grammar.masks(contexts[i])
-        n = len(contexts[i])
-        if head_ids is None:
-            shared = min(words, grammar.words)
-            legal[i, :n, :shared] = masks.bits[:, :shared]
-            legal[i, :n, shared:] = 0  # past the grammar's vocabulary: illegal
-        else:  # each head row's bit, from its token's (only saguaro's kernels take masks)
+        if head_ids is not None:  # each head row's bit, from its token's (only saguaro's kernels take masks)
             native.head_bits(masks.bits, head_ids, legal[i, :n])
-        legal[i, masks.unreachable] = -1
+        elif words <= grammar.words:
+            legal[i, :n] = masks.bits[:, :words]
+        else:
+            legal[i, :n, :grammar.words] = masks.bits
+            legal[i, :n, grammar.words:] = 0  # past the grammar's vocabulary: illegal
+        if masks.unreachable:
+            legal[i, masks.unreachable] = -1
     return legal.reshape(-1, words)
