@@ -2,11 +2,10 @@
 requests under a JSON schema and unconstrained (their medians over request groups, the two
 taking turns group by group, since the machine's speed drifts), their ratio, the ratio of the
 median request's decode tokens/s, the share of the constrained decode time spent on the grammar
-(computing masks, laying them out for the heads and applying them, finding forced tokens,
-moving the matcher: in this process, so not the SSD worker's, which it hides) and the part of it
-in llguidance computing the masks, and the share of output tokens the grammar forced (the only legal token where
-it stood: what jump-forward may commit without a draft step) and the share it did commit so
-("jumped": spec_decode_num_forced_tokens). Every constrained output that ends is checked
+(in this process, so not the SSD worker's, which it hides: GrammarClock) and the part of it on
+its masks (the issue's "mask time"), and the share of output tokens the grammar forced (the
+only legal token where it stood: what jump-forward may commit without a draft step) and the
+share it did commit so ("jumped": spec_decode_num_forced_tokens). Every constrained output that ends is checked
 against its schema (jsonschema).
 
 At batch 1 a group is one request and its rate is its decode tokens/s. At batch B a group is
@@ -72,38 +71,36 @@ QUEUE = 3  # a batch-B group's requests, in batches: B at a time, each finished 
 
 
 class GrammarClock:
-    """Time spent on processing (for json_schema requests: the grammar's masks, computed and
-    applied, on the target's and the local draft's logits), on the masks the heads take
-    (computed and laid out for the head before its pass, applied in it), on finding forced
-    tokens and on moving the matcher over committed tokens; a call inside another timed one
-    counts once. mask_seconds: the part of it in llguidance computing masks (the issue's "mask
-    time"); the rest is their bookkeeping (cached and laid out for a head, forced tokens found,
-    the matcher moved)."""
+    """Time spent on the grammar (for json_schema requests): "masks", computing them (llguidance),
+    keeping them for the round and laying them out for the heads (which apply them in their
+    products) or applying them after a head; "grammar", that and finding forced tokens and
+    moving the matcher over committed tokens. A call inside another timed one counts once."""
 
     def __init__(self):
-        self.seconds = self.mask_seconds = 0.0
-        self.depth = 0
-        for owner, name in ((LogitsProcessor, "process_"), (GrammarMatcher, "masks"), (GrammarMatcher, "forced"),
-                            (GrammarMatcher, "commit"), (verifier, "head_masks"), (drafters, "head_masks")):
-            setattr(owner, name, self.timed(getattr(owner, name)))
-        fill = GrammarMatcher._fill
+        self.seconds = {"grammar": 0.0, "masks": 0.0}
+        self.depth = {"grammar": 0, "masks": 0}
+        for owner, name in ((verifier, "head_masks"), (drafters, "head_masks"), (GrammarMatcher, "masks"),
+                            (GrammarMatcher, "_fill"), (LogitsProcessor, "process_")):
+            setattr(owner, name, self.timed(getattr(owner, name), ("grammar", "masks")))
+        for owner, name in ((GrammarMatcher, "forced"), (GrammarMatcher, "commit")):
+            setattr(owner, name, self.timed(getattr(owner, name), ("grammar",)))
 
-        def timed_fill(matcher: GrammarMatcher, row) -> None:
-            started = time.perf_counter()
-            fill(matcher, row)
-            self.mask_seconds += time.perf_counter() - started
-        GrammarMatcher._fill = timed_fill
+    def reset(self) -> None:
+        self.seconds = {kind: 0.0 for kind in self.seconds}
 
-    def timed(self, method):
+    def timed(self, method, kinds: tuple[str, ...]):
         def run(*args, **kwargs):
             started = time.perf_counter()
-            self.depth += 1
+            for kind in kinds:
+                self.depth[kind] += 1
             try:
                 return method(*args, **kwargs)
             finally:
-                self.depth -= 1
-                if not self.depth:
-                    self.seconds += time.perf_counter() - started
+                elapsed = time.perf_counter() - started
+                for kind in kinds:
+                    self.depth[kind] -= 1
+                    if not self.depth[kind]:
+                        self.seconds[kind] += elapsed
         return run
 
 
@@ -145,7 +142,7 @@ def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: 
             params = [SamplingParams(temperature=args.temperature, max_tokens=length, seed=group,
                                      structured_outputs=StructuredOutputs(json=schema) if mode == "json_schema"
                                      else None) for (_, schema), length in zip(picked, lengths)]
-            clock.seconds = clock.mask_seconds = 0.0
+            clock.reset()
             jumped_before = llm.metrics().get("spec_decode_num_forced_tokens", 0)
             started = time.perf_counter()
             outputs = llm.generate([prompt for prompt, _ in picked], params, use_tqdm=False)
@@ -157,8 +154,8 @@ def measure(llm: LLM, method: str, batch: int, args: argparse.Namespace, clock: 
             rates[mode].append(sum(len(o.token_ids) - 1 for o in outputs) / decode_s)
             per_request[mode] += [o.metrics.decode_tokens_per_s for o in outputs]
             if mode == "json_schema":
-                grammar_share.append(clock.seconds / decode_s)
-                mask_share.append(clock.mask_seconds / decode_s)
+                grammar_share.append(clock.seconds["grammar"] / decode_s)
+                mask_share.append(clock.seconds["masks"] / decode_s)
                 jumped += llm.metrics().get("spec_decode_num_forced_tokens", 0) - jumped_before
                 for (_, schema), out in zip(picked, outputs):
                     f, n = forced_share(llm, schema, out.token_ids)
@@ -234,7 +231,7 @@ def main() -> None:
     print(f"\nT = {args.temperature}, max_tokens {args.max_tokens}, medians over {args.groups} request groups a "
           f"cell; ratio: schema / free tok/s (batch B: B at a time from a queue of {QUEUE}B), per req: of the "
           f"median request; grammar: share of the constrained decode time on the grammar, masks: on "
-          f"llguidance computing masks (part of grammar); forced: share of its output tokens; jumped: share committed without a draft step; valid: "
+          f"its masks (computed, kept, laid out for the heads or applied; part of grammar); forced: share of its output tokens; jumped: share committed without a draft step; valid: "
           f"outputs that validate / outputs that ended (not cut at max_tokens)")
     print(f"{'method':9s} {'batch':>5s} {'schema tok/s':>12s} {'free tok/s':>10s} {'ratio':>6s} {'per req':>7s} "
           f"{'grammar':>8s} {'masks':>6s} {'forced':>7s} {'jumped':>7s} {'valid':>7s}")
