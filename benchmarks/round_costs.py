@@ -45,7 +45,7 @@ class Timers:
     def attach(self, llm: LLM) -> None:
         """Times llm's rounds and their parts (the passes through the module functions that
         every engine shares, so wrap those once with `attach_passes`)."""
-        llm.target.logits = self.wrap(lambda h: f"target head, {h.shape[:-1].numel()} rows", llm.target.logits)
+        llm.target.logits = self.wrap(lambda h, *rest: f"target head, {h.shape[:-1].numel()} rows", llm.target.logits)
         decoder = llm.decoder
         if decoder.num_speculative_tokens:
             drafter = decoder.policy.choice.proposer.drafter
@@ -70,6 +70,9 @@ def main() -> None:
     parser.add_argument("--tree-depth", type=int, default=5)
     parser.add_argument("--prompt-lookup", type=int, default=2, help="SD's prompt lookup N (0: off)")
     parser.add_argument("--verbose", action="store_true", help="also each part's median ms per call")
+    parser.add_argument("--model", help="the target: a GGUF file or folder (default: the embedded model), e.g. a twin")
+    parser.add_argument("--draft", help="its draft (default: its shipped one), e.g. smollm2 for a twin of it")
+    parser.add_argument("--threads", type=int, help="the kernels' threads (default: all cores)")
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     options = {"AR": dict(method="ar")}
@@ -81,9 +84,14 @@ def main() -> None:
             method="sd", num_speculative_tokens=args.tree_depth, tree_topk=topk, num_draft_tokens=nodes,
             prompt_lookup=args.prompt_lookup)
     ks = list(options)
+    shared = {"num_threads": args.threads} if args.threads else {}
+    if args.draft:
+        shared["draft"] = args.draft
+    for k in ks:
+        options[k].update(shared)
     timers = Timers()
     timers.attach_passes()
-    engines = {k: LLM(**options[k]) for k in ks}
+    engines = {k: LLM(*([args.model] if args.model else []), **options[k]) for k in ks}
     prompts = bench_prompts(engines["AR"], args.dataset, BenchConfig(num_prompts=args.prompts + 1))
     for llm in engines.values():  # a warm-up prompt each, not counted
         timers.attach(llm)
