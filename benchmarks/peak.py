@@ -157,7 +157,7 @@ def product_shares(libraries: dict[str, ctypes.CDLL], kinds: list[str], rows: li
 class Model:
     """Random tiles of a model's shape: its layers as decoder_layer.c takes them, its head, a KV cache."""
 
-    def __init__(self, shape: Shape, context: int):
+    def __init__(self, shape: Shape, context: int, most_tokens: int):
         self.shape = shape
         bits, qkv = WIDTHS[KINDS[shape.kind]], (shape.heads + 2 * shape.kv_heads) * shape.head_dim
         ones = torch.ones(max(shape.hidden, shape.head_dim), dtype=torch.bfloat16)
@@ -184,7 +184,8 @@ class Model:
         self.layers = (bindings.LayerWeights * len(layers))(*layers)
         self.head_bits = WIDTHS[KINDS[shape.head_kind]]
         self.head = random_tiles(self.head_bits, shape.vocab, shape.hidden)
-        cache_shape = (shape.layers, 1, shape.kv_heads, context + 16, shape.head_dim)
+        self.slots = context + max(most_tokens, 16)  # a pass's tokens are written after the cached ones
+        cache_shape = (shape.layers, 1, shape.kv_heads, self.slots, shape.head_dim)
         self.keys = (torch.randn(cache_shape) * 0.1).to(torch.bfloat16)
         self.values = (torch.randn(cache_shape) * 0.1).to(torch.bfloat16)
         self.context = context
@@ -203,7 +204,7 @@ class Model:
         start = clock(threads)
         status = lib.saguaro_decoder_layers(
             self.layers, s.layers, x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(), self.keys.data_ptr(),
-            self.values.data_ptr(), self.keys[0].numel(), self.context + 16, rows.data_ptr(), slots.data_ptr(),
+            self.values.data_ptr(), self.keys[0].numel(), self.slots, rows.data_ptr(), slots.data_ptr(),
             mask.data_ptr(), span, self.kept[0].data_ptr(), None, None, None, threads)
         status = status or lib.saguaro_group_matmul(self.head_bits, self.head.data_ptr(), x.data_ptr(),
                                                     logits.data_ptr(), tokens, s.hidden, s.vocab, 1, threads,
@@ -275,7 +276,7 @@ def product_costs(libraries: dict[str, ctypes.CDLL], model: Model, peaks: dict[s
                 for i in range(s.layers):
                     libraries[label].saguaro_attention(
                         ctypes.byref(model.layers[i]), qkv.data_ptr(), n, model.keys[i].data_ptr(),
-                        model.values[i].data_ptr(), model.context + 16, rows.data_ptr(), mask.data_ptr(), span,
+                        model.values[i].data_ptr(), model.slots, rows.data_ptr(), mask.data_ptr(), span,
                         attn.data_ptr(), args.threads)
                 seconds[label].append(clock(args.threads) - start)
         print(f"| attention | {n} | " + " | ".join(
@@ -319,7 +320,7 @@ def main() -> None:
                        SHAPES[args.product_shape], peaks, args)
     tokens = [int(t) for t in args.tokens.split(",")]
     if "layers" in what or "breakdown" in what:
-        model = Model(SHAPES[args.shape], args.context)
+        model = Model(SHAPES[args.shape], args.context, max(tokens))
         if "layers" in what:
             verification_cost(libraries, model, args.shape, tokens, args)
         if "breakdown" in what:

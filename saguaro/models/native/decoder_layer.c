@@ -17,10 +17,19 @@
 
 #define MAX_HEAD_DIM 256
 /* Tokens from which a layer's per-token steps (norms, rope, the cache's writes, residual adds,
- * the gate) are shared out among the threads: a prefill's run them on one thread for 6% of its
- * time (1.7B, 1,024 tokens, two threads); a step's are too small to pay for a parallel region. */
+ * the gate) are shared out among the threads: a prefill ran them on one thread for 6% of its
+ * time (1.7B, 1,024 tokens, two threads). Fewer run on this thread with no parallel region at
+ * all: entering one costs 0.3-0.4 us even with an `if` clause false, and a step of the default
+ * model would enter some 270 (3% of it). It runs the loop over the `threads` in scope. */
 #define PARALLEL_TOKENS 16
-#define TOKENS_IN_PARALLEL _Pragma("omp parallel for schedule(static) num_threads(threads) if(n >= PARALLEL_TOKENS)")
+#define FOR_TOKENS(t, n, ...) do { \
+    if ((n) >= PARALLEL_TOKENS) { \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)") \
+        for (int64_t t = 0; t < (n); t++) __VA_ARGS__ \
+    } else { \
+        for (int64_t t = 0; t < (n); t++) __VA_ARGS__ \
+    } \
+} while (0)
 #define QUERY_BATCH 32 /* queries that take the keys and values of a cache row together (attend_batch) */
 #define CONVERTED_QUERIES 4 /* and how many share them converted to fp32 */
 
@@ -372,11 +381,9 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
     if (!normed || !qkv || !attn || !wide || !narrow) goto done;
 
     const float offset = w->norm_offset;
-    TOKENS_IN_PARALLEL
-    for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, w->input_norm, hidden, w->eps, offset, normed + t * hidden);
+    FOR_TOKENS(t, n, { rms_norm(x + t * hidden, w->input_norm, hidden, w->eps, offset, normed + t * hidden); });
     if (saguaro_group_matmul(w->qkv_bits, w->qkv, normed, qkv, n, hidden, qkv_width, 0, threads, NULL, 0)) goto done;
-    TOKENS_IN_PARALLEL
-    for (int64_t t = 0; t < n; t++) {
+    FOR_TOKENS(t, n, {
         uint16_t *row = qkv + t * qkv_width;
         if (w->qkv_bias)
             for (int64_t i = 0; i < qkv_width; i++) row[i] = to_bf16(from_bf16(row[i]) + from_bf16(w->qkv_bias[i]));
@@ -391,26 +398,23 @@ TARGET int saguaro_decoder_layer(const LayerWeights *w, uint16_t *x, int64_t n, 
             memcpy(keys + at, row + (H + h) * D, sizeof(uint16_t) * D);
             memcpy(values + at, row + (H + Hkv + h) * D, sizeof(uint16_t) * D);
         }
-    }
+    });
     if (saguaro_attention(w, qkv, n, keys, values, cache_slots, row_of, mask, span, attn, threads)) goto done;
     if (saguaro_group_matmul(w->o_bits, w->o, attn, narrow, n, H * D, hidden, 0, threads, NULL, 0)) goto done;
-    TOKENS_IN_PARALLEL
-    for (int64_t t = 0; t < n; t++) { /* the attention's output normed (Gemma), then added to the residual */
+    FOR_TOKENS(t, n, { /* the attention's output normed (Gemma), then added to the residual */
         uint16_t *out = narrow + t * hidden, *residual = x + t * hidden;
         if (w->attn_out_norm) rms_norm(out, w->attn_out_norm, hidden, w->eps, offset, out);
         for (int64_t i = 0; i < hidden; i++) residual[i] = to_bf16(from_bf16(residual[i]) + from_bf16(out[i]));
         rms_norm(residual, w->post_norm, hidden, w->eps, offset, normed + t * hidden);
-    }
+    });
     if (saguaro_group_matmul(w->gate_up_bits, w->gate_up, normed, wide, n, hidden, 2 * inter, 0, threads, NULL, 0)) goto done;
-    TOKENS_IN_PARALLEL
-    for (int64_t t = 0; t < n; t++) gated(wide + t * 2 * inter, inter, w->activation, narrow + t * inter);
+    FOR_TOKENS(t, n, { gated(wide + t * 2 * inter, inter, w->activation, narrow + t * inter); });
     if (saguaro_group_matmul(w->down_bits, w->down, narrow, normed, n, inter, hidden, 0, threads, NULL, 0)) goto done;
-    TOKENS_IN_PARALLEL
-    for (int64_t t = 0; t < n; t++) { /* the MLP's output normed (Gemma), then added to the residual */
+    FOR_TOKENS(t, n, { /* the MLP's output normed (Gemma), then added to the residual */
         uint16_t *out = normed + t * hidden, *residual = x + t * hidden;
         if (w->mlp_out_norm) rms_norm(out, w->mlp_out_norm, hidden, w->eps, offset, out);
         for (int64_t i = 0; i < hidden; i++) residual[i] = to_bf16(from_bf16(residual[i]) + from_bf16(out[i]));
-    }
+    });
     status = 0;
 done:
     free(normed);

@@ -488,9 +488,15 @@ TARGET int saguaro_group_matmul(int bits, const uint8_t *tiles, const uint16_t *
     }
     QuantizedGroup *xq = malloc(sizeof(QuantizedGroup) * (size_t)(rows * groups + 1));
     if (!xq) return -1;
-    /* each row rounded alone: shared out where a prefill's rows would leave the other threads idle */
-#pragma omp parallel for schedule(static) num_threads(threads) if(rows >= 16)
-    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in_features, groups, xq + r * groups);
+    /* each row rounded alone: shared out where a prefill's rows would leave the other threads
+     * idle, and on this thread with no parallel region where they are few (decoder_layer.c's
+     * PARALLEL_TOKENS) */
+    if (rows >= 16) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in_features, groups, xq + r * groups);
+    } else {
+        for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in_features, groups, xq + r * groups);
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
