@@ -60,11 +60,12 @@ def main() -> None:
             out = llm.generate([text], params, use_tqdm=False)[0]
             seconds += time.perf_counter() - start
             tokens += len(out.token_ids)
-            decode_seconds += (len(out.token_ids) - 1) / out.metrics.decode_tokens_per_s
+            if out.metrics.decode_tokens_per_s > 0:  # more than one token
+                decode_seconds += (len(out.token_ids) - 1) / out.metrics.decode_tokens_per_s
             outputs.append(out.token_ids)
         figures = {k: v for k, v in llm.metrics().items() if isinstance(v, (int, float, str, type(None)))}
     print(json.dumps({"method": args.method, "tok_s": round(tokens / seconds, 1),
-                      "decode_tok_s": round((tokens - len(outputs)) / decode_seconds, 1),
+                      "decode_tok_s": round((tokens - len(outputs)) / decode_seconds, 1) if decode_seconds else None,
                       "outputs": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:12], "metrics": figures}))
 
 

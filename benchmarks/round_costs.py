@@ -45,7 +45,8 @@ class Timers:
     def attach(self, llm: LLM) -> None:
         """Times llm's rounds and their parts (the passes through the module functions that
         every engine shares, so wrap those once with `attach_passes`)."""
-        llm.target.logits = self.wrap(lambda h, *rest: f"target head, {h.shape[:-1].numel()} rows", llm.target.logits)
+        llm.target.logits = self.wrap(lambda h, *rest: f"target head, {h.shape[:-1].numel()} rows",
+                                      llm.target.logits)
         decoder = llm.decoder
         if decoder.num_speculative_tokens:
             drafter = decoder.policy.choice.proposer.drafter

@@ -5,8 +5,8 @@ median request's decode tokens/s, the share of the constrained decode time spent
 (in this process, so not the SSD worker's, which it hides: GrammarClock) and the part of it on
 its masks (the issue's "mask time"), and the share of output tokens the grammar forced (the
 only legal token where it stood: what jump-forward may commit without a draft step) and the
-share it did commit so ("jumped": spec_decode_num_forced_tokens). Every constrained output that ends is checked
-against its schema (jsonschema).
+share it did commit so ("jumped": spec_decode_num_forced_tokens). Every constrained output
+that ends is checked against its schema (jsonschema).
 
 At batch 1 a group is one request and its rate is its decode tokens/s. At batch B a group is
 QUEUE x B requests that the engine runs B at a time (max_num_seqs = B), a finished one's place
@@ -203,7 +203,8 @@ def row(method: str, batch: int, rates: dict[str, list[float]], per_request: dic
             "ratio": constrained / free,
             "request_ratio": (statistics.median(per_request["json_schema"])
                               / statistics.median(per_request["unconstrained"])),
-            "grammar_share": grammar_share, "mask_share": mask_share, "forced_share": forced, "jumped_share": jumped, "valid": f"{valid}/{ended}"}
+            "grammar_share": grammar_share, "mask_share": mask_share, "forced_share": forced,
+            "jumped_share": jumped, "valid": f"{valid}/{ended}"}
 
 
 def main() -> None:
@@ -231,8 +232,9 @@ def main() -> None:
     print(f"\nT = {args.temperature}, max_tokens {args.max_tokens}, medians over {args.groups} request groups a "
           f"cell; ratio: schema / free tok/s (batch B: B at a time from a queue of {QUEUE}B), per req: of the "
           f"median request; grammar: share of the constrained decode time on the grammar, masks: on "
-          f"its masks (computed, kept, laid out for the heads or applied; part of grammar); forced: share of its output tokens; jumped: share committed without a draft step; valid: "
-          f"outputs that validate / outputs that ended (not cut at max_tokens)")
+          f"its masks (computed, kept, laid out for the heads or applied; part of grammar); forced: share "
+          f"of its output tokens; jumped: share committed without a draft step; valid: outputs that "
+          f"validate / outputs that ended (not cut at max_tokens)")
     print(f"{'method':9s} {'batch':>5s} {'schema tok/s':>12s} {'free tok/s':>10s} {'ratio':>6s} {'per req':>7s} "
           f"{'grammar':>8s} {'masks':>6s} {'forced':>7s} {'jumped':>7s} {'valid':>7s}")
     for r in rows:
@@ -241,7 +243,8 @@ def main() -> None:
         forced = "-" if r["forced_share"] is None else f"{r['forced_share']:.1%}"
         jumped = "-" if r["jumped_share"] is None else f"{r['jumped_share']:.1%}"
         print(f"{r['method']:9s} {r['batch']:5d} {r['json_schema_tok_s']:12.1f} {r['unconstrained_tok_s']:10.1f} "
-              f"{r['ratio']:6.2f} {r['request_ratio']:7.2f} {share:>8s} {masks:>6s} {forced:>7s} {jumped:>7s} {r['valid']:>7s}")
+              f"{r['ratio']:6.2f} {r['request_ratio']:7.2f} {share:>8s} {masks:>6s} {forced:>7s} {jumped:>7s} "
+              f"{r['valid']:>7s}")
 
 
 if __name__ == "__main__":
