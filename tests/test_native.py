@@ -358,6 +358,27 @@ def test_native_layers_compute_what_the_torch_layers_compute(tiny_gguf, monkeypa
     assert relative_error(logits, plain.logits(hidden_states(fast, tokens).bfloat16())) < 0.03
 
 
+def test_a_long_pass_on_two_threads_gives_each_token_what_steps_on_one_give(tiny_gguf):
+    """From 16 tokens a pass shares its per-token steps (norms, rope, biases, the cache's writes,
+    residuals, the gate) and the activations' rounding among the threads: a 2 x 24-token pass on
+    two threads equals, bit for bit, the same tokens fed one step at a time on one thread (fewer
+    than 16 tokens a pass: no parallel region). Control: the step-by-step states of the rows in
+    the other order differ, so the comparison sees a row's tokens."""
+    model = load(tiny_gguf)
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        whole = hidden_states(model, tokens)
+        torch.set_num_threads(1)
+        cache = KVCache(model.config, 2, 25, model.dtype)
+        steps = torch.cat([model(tokens[:, t:t + 1], torch.full((2, 1), t), cache).float() for t in range(24)], 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, steps)
+    assert not torch.equal(whole, steps.flip(0))
+
+
 def test_native_decode_writes_and_reads_its_own_cache_rows(tiny_gguf):
     """Token by token into cache rows 2 and 0 of a 3-row cache gives the rows' whole-prompt
     results bit for bit (what batch invariance needs), and leaves row 1 untouched."""
